@@ -1,0 +1,60 @@
+"""Shared bench helpers: the default model, prompts of a given token length, result files."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from pantheon.config import read_env
+
+RESULTS = Path(__file__).parent / "results"
+
+FILLER = (
+    "The history of the printing press begins with movable type in East Asia and continues through "
+    "Gutenberg's workshop in Mainz, where metal type, oil-based ink and a screw press came together. "
+    "Books became cheaper, literacy spread, and ideas travelled faster than ever before. "
+)
+
+
+def default_model() -> Path:
+    path = read_env().default_model_path
+    if not path.exists():
+        raise SystemExit(f"default model missing at {path}: run `make model` first")
+    return path
+
+
+def prompt_tokens(tokenizer: Any, n: int) -> list[int]:
+    text = FILLER
+    while len(tokenizer.encode(text)) < n:
+        text += FILLER
+    return tokenizer.encode(text)[:n]
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def machine() -> dict[str, Any]:
+    cpu = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores_available": len(os.sched_getaffinity(0)), "python": platform.python_version(),
+            "machine": platform.machine()}
+
+
+def write_result(name: str, payload: dict[str, Any]) -> Path:
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"{time.strftime('%Y-%m-%d')}-{name}.json"
+    path.write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine(), **payload},
+                               indent=2))
+    return path

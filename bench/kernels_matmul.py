@@ -1,0 +1,132 @@
+"""Micro-benchmark of pantheon.kernels.cpu.quant.matmul on SmolLM2-135M shapes.
+
+For each weight and batch size it prints ms per call and GB/s of weight bytes read (quantized bytes / time), next to
+numpy float32 `x @ W.T` on a pre-dequantized copy of the same weight (the BLAS ceiling; its GB/s counts its float32
+bytes). Weights come from the real model file when it exists (tensors of block 0 and token_embd), else are random.
+
+    .venv/bin/python bench/kernels_matmul.py                    # real Q4_1 / Q8_0 tensors, default thread count
+    .venv/bin/python bench/kernels_matmul.py --threads 1
+    .venv/bin/python bench/kernels_matmul.py --types Q4_K,Q6_K  # random weights of other types, same shapes
+    .venv/bin/python bench/kernels_matmul.py --sweep            # rows kernel vs tiles+BLAS around TILE_MIN_BATCH
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from pathlib import Path
+
+import numba
+import numpy as np
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from pantheon.kernels.cpu import quant
+from pantheon.kernels.reference import quant as reference
+
+MODEL = Path.home() / ".cache/pantheon/SmolLM2-135M-Instruct.Q4_1.gguf"
+# (name in the GGUF file, rows N, cols K)
+SHAPES = [
+    ("blk.0.attn_q.weight", 576, 576),
+    ("blk.0.ffn_gate.weight", 1536, 576),
+    ("blk.0.ffn_down.weight", 576, 1536),
+    ("token_embd.weight", 49152, 576),
+]
+BATCHES = (1, 8, 64, 512)
+
+
+def time_call(fn, min_seconds: float = 0.2, repeats: int = 5) -> float:
+    """Median seconds per call over `repeats` runs of enough calls to last min_seconds / repeats each."""
+    fn()
+    start = time.perf_counter()
+    fn()
+    once = max(time.perf_counter() - start, 1e-6)
+    calls = max(1, int(min_seconds / repeats / once))
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        samples.append((time.perf_counter() - start) / calls)
+    return statistics.median(samples)
+
+
+def load_weights(types: list[int] | None, rng: np.random.Generator) -> list[tuple[str, quant.QWeight]]:
+    weights = []
+    if types is None and MODEL.exists():
+        from gguf import GGUFReader
+
+        tensors = {t.name: t for t in GGUFReader(MODEL).tensors}
+        for name, rows, cols in SHAPES:
+            t = tensors[name]
+            weights.append((name, quant.prepare_weight(t.data, int(t.tensor_type), rows, cols)))
+        return weights
+    for qtype in types or [quant.Q4_1]:
+        for name, rows, cols in SHAPES:
+            qt = quant.Q8_0 if name == "token_embd.weight" and types is None else qtype
+            if cols % GGML_QUANT_SIZES[GGMLQuantizationType(qt)][0]:
+                continue
+            weights.append((name, quant.prepare_weight(reference.random_weight_bytes(qt, rows, cols, rng), qt, rows, cols)))
+    return weights
+
+
+def bench_matmul(weights, batches, rng) -> None:
+    print(f"{'tensor':24s} {'type':5s} {'N x K':>11s} {'B':>4s} {'ms':>8s} {'GB/s':>7s} {'np ms':>8s} {'np GB/s':>7s} {'np/ours':>7s}")
+    for name, w in weights:
+        dense = reference.dequantize(w.qtype, w.data)
+        for batch in batches:
+            x = rng.standard_normal((batch, w.cols)).astype(np.float32)
+            out = np.empty((batch, w.rows), dtype=np.float32)
+            dense_out = np.empty_like(out)
+            t_ours = time_call(lambda: quant.matmul(w, x, out))
+            t_np = time_call(lambda: np.matmul(x, dense.T, out=dense_out))
+            err = np.linalg.norm(out - dense_out) / max(np.linalg.norm(dense_out), 1e-30)
+            assert err < 1e-4, f"{name} B={batch}: relative error {err:.2e}"
+            print(
+                f"{name:24s} {GGMLQuantizationType(w.qtype).name:5s} {w.rows:5d}x{w.cols:<5d} {batch:4d} "
+                f"{t_ours * 1e3:8.3f} {w.nbytes / t_ours / 1e9:7.2f} {t_np * 1e3:8.3f} {dense.nbytes / t_np / 1e9:7.2f} "
+                f"{t_np / t_ours:7.2f}",
+                flush=True,
+            )
+
+
+def sweep_threshold(weights, rng) -> None:
+    """ms per call of each path for batches around TILE_MIN_BATCH."""
+    print(f"{'tensor':24s} {'B':>4s} {'rows ms':>8s} {'tiles ms':>8s}")
+    for name, w in weights:
+        if w.rows > 4096:
+            continue
+        for batch in (4, 8, 12, 16, 20, 24, 32, 48, 64, 512):
+            x = rng.standard_normal((batch, w.cols)).astype(np.float32)
+            out = np.empty((batch, w.rows), dtype=np.float32)
+            t_rows = time_call(lambda: quant._gemm_rows(w.qtype, w.data, x, out, quant._N16))
+            t_tiles = time_call(lambda: quant._gemm_tiles(w, x, out))
+            print(f"{name:24s} {batch:4d} {t_rows * 1e3:8.3f} {t_tiles * 1e3:8.3f}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=None, help="numba threads (default: numba's)")
+    parser.add_argument("--types", default=None, help="comma-separated ggml type names: random weights of these types")
+    parser.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    parser.add_argument("--sweep", action="store_true", help="time both paths around TILE_MIN_BATCH instead")
+    args = parser.parse_args()
+    if args.threads:
+        numba.set_num_threads(args.threads)
+    rng = np.random.default_rng(0)
+    types = [int(GGMLQuantizationType[t.strip()]) for t in args.types.split(",")] if args.types else None
+    weights = load_weights(types, rng)
+    print(
+        f"numba {numba.__version__}, {numba.get_num_threads()} threads ({numba.config.THREADING_LAYER}), "
+        f"numpy {np.__version__}, OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', 'unset')}, "
+        f"TILE_MIN_BATCH={quant.TILE_MIN_BATCH}"
+    )
+    if args.sweep:
+        sweep_threshold(weights, rng)
+    else:
+        bench_matmul(weights, [int(b) for b in args.batches.split(",")], rng)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,230 @@
+"""Run a chat completion against a model instance: jobs per choice, then a body or a stream of chunks."""
+
+from __future__ import annotations
+
+import math
+import secrets
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from pantheon.chat.output import ChoiceOutput, Delta
+from pantheon.chat.prompt import Prompt, build_prompt
+from pantheon.chat.request import ChatRequest
+from pantheon.config import EnvKnobs
+from pantheon.engine.sampling import SamplingParams
+from pantheon.errors import ApiError
+from pantheon.sched.jobs import ErrorEvent, FinishEvent, GenerationJob, TokenEvent, Usage
+from pantheon.sched.registry import ModelInstance
+
+
+@dataclass
+class ChoiceResult:
+    index: int
+    output: ChoiceOutput
+    finish_reason: str = "stop"
+    usage: Usage | None = None
+
+
+@dataclass
+class Completion:
+    """One request in flight: its prompt, its jobs (one per choice) and their event channels."""
+
+    instance: ModelInstance
+    request: ChatRequest
+    prompt: Prompt
+    id: str = field(default_factory=lambda: "chatcmpl-" + secrets.token_hex(12))
+    created: int = field(default_factory=lambda: int(time.time()))
+    jobs: list[GenerationJob] = field(default_factory=list)
+    channels: list[trio.MemoryReceiveChannel[Any]] = field(default_factory=list)
+    n_status: str | None = None
+
+    @property
+    def model_name(self) -> str:
+        return self.instance.name
+
+
+def _sampling(request: ChatRequest, choice: int) -> SamplingParams:
+    return SamplingParams(
+        temperature=request.temperature,
+        top_p=request.top_p,
+        top_k=request.top_k,
+        seed=None if request.seed is None else request.seed + choice,
+        presence_penalty=request.presence_penalty,
+        frequency_penalty=request.frequency_penalty,
+        logit_bias=request.logit_bias,
+        top_logprobs=request.top_logprobs if request.logprobs else None,
+    )
+
+
+def start_completion(instance: ModelInstance, request: ChatRequest, env: EnvKnobs) -> Completion:
+    """Build the prompt and submit one job per choice. Errors for the first choice are the request's errors;
+    a later choice that cannot be queued is dropped with n_status."""
+    served = instance.served
+    prompt = build_prompt(served, request, no_think_default=env.no_think)
+    completion = Completion(instance, request, prompt)
+    if request.n_capped:
+        completion.n_status = "capped_to_8"
+    stop_ids = served.tokenizer.stop_ids
+    for i in range(request.n):
+        job = GenerationJob(prompt=prompt.tokens, sampling=_sampling(request, i), max_tokens=request.max_tokens,
+                            stop_ids=stop_ids, session_key=request.session_id if i == 0 else None)
+        try:
+            channel = instance.scheduler.submit(job)
+        except ApiError as exc:
+            if i == 0:
+                if exc.error_type == "context_over_budget" and not request.stream:
+                    exc.extra = {}  # non-streaming: kv_used/kv_cap live in the message text only
+                raise
+            completion.n_status = completion.n_status or "partial_slot_unavailable"
+            break
+        completion.jobs.append(job)
+        completion.channels.append(channel)
+    return completion
+
+
+def _new_output(completion: Completion) -> ChoiceOutput:
+    r = completion.request
+    return ChoiceOutput(completion.instance.served.tokenizer, stops=r.stop, think=completion.prompt.think,
+                        prompt_opens_think=completion.prompt.opens_think, want_logprobs=r.logprobs)
+
+
+async def _run_choice(completion: Completion, index: int, on_delta: Any = None) -> ChoiceResult:
+    """Consume one job's events into a ChoiceResult; `on_delta(delta)` sees every non-empty delta."""
+    job, channel = completion.jobs[index], completion.channels[index]
+    result = ChoiceResult(index, _new_output(completion))
+    try:
+        async with channel:
+            async for event in channel:
+                if isinstance(event, TokenEvent):
+                    delta = result.output.push(event.sampled)
+                    if delta and on_delta is not None:
+                        await on_delta(delta)
+                    if result.output.stopped:
+                        job.cancel()
+                        result.finish_reason = "stop"
+                        break
+                elif isinstance(event, FinishEvent):
+                    result.finish_reason = event.reason
+                    result.usage = event.usage
+                elif isinstance(event, ErrorEvent):
+                    # A failure after generation began closes the choice normally (spec: finish "stop").
+                    result.finish_reason = "stop"
+                    result.usage = event.usage
+                    if not result.output.completion_tokens and index == 0 and on_delta is None:
+                        raise event.error
+    finally:
+        job.cancel()
+    delta = result.output.finish()
+    if delta and on_delta is not None:
+        await on_delta(delta)
+    return result
+
+
+def _usage_body(completion: Completion, results: list[ChoiceResult]) -> dict[str, Any]:
+    first = results[0].usage if results else None
+    prompt_tokens = len(completion.prompt.tokens)
+    completion_tokens = sum(r.output.completion_tokens for r in results)
+    body: dict[str, Any] = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": first.cached_tokens if first else 0},
+        "kv_used": first.kv_used if first else prompt_tokens,
+        "kv_cap": completion.instance.scheduler.kv_cap,
+    }
+    if first is not None and first.session_conflict:
+        body["session_conflict"] = True
+    return body
+
+
+async def complete(completion: Completion) -> dict[str, Any]:
+    results: list[ChoiceResult | None] = [None] * len(completion.jobs)
+
+    async def run(i: int) -> None:
+        results[i] = await _run_choice(completion, i)
+
+    async with trio.open_nursery() as nursery:
+        for i in range(len(completion.jobs)):
+            nursery.start_soon(run, i)
+    done = [r for r in results if r is not None]
+    choices = []
+    for r in done:
+        message: dict[str, Any] = {"role": "assistant", "content": r.output.content}
+        if r.output.reasoning:
+            message["reasoning_content"] = r.output.reasoning
+        choice: dict[str, Any] = {"index": r.index, "message": message, "finish_reason": r.finish_reason}
+        if completion.request.logprobs:
+            choice["logprobs"] = {"content": r.output.logprobs}
+        choices.append(choice)
+    body: dict[str, Any] = {
+        "id": completion.id,
+        "object": "chat.completion",
+        "created": completion.created,
+        "model": completion.model_name,
+        "choices": choices,
+        "usage": _usage_body(completion, done),
+    }
+    if completion.n_status:
+        body["n_status"] = completion.n_status
+    return body
+
+
+def _chunk(completion: Completion, choices: list[dict[str, Any]], **top: Any) -> dict[str, Any]:
+    chunk = {"id": completion.id, "object": "chat.completion.chunk", "created": completion.created,
+             "model": completion.model_name, "choices": choices}
+    chunk.update(top)
+    return chunk
+
+
+def _delta_chunks(completion: Completion, index: int, delta: Delta) -> list[dict[str, Any]]:
+    chunks = []
+    if delta.reasoning:
+        chunks.append({"index": index, "delta": {"reasoning_content": delta.reasoning}, "finish_reason": None})
+    if delta.content or (delta.logprobs and not delta.reasoning):
+        chunks.append({"index": index, "delta": {"content": delta.content}, "finish_reason": None})
+    if delta.logprobs and completion.request.logprobs:
+        chunks[-1]["logprobs"] = {"content": delta.logprobs}
+    return [_chunk(completion, [c]) for c in chunks]
+
+
+@trio.as_safe_channel
+async def stream(completion: Completion) -> AsyncIterator[dict[str, Any]]:
+    """SSE chunk bodies in the spec's order (use as `async with stream(c) as chunks`). Choices run
+    concurrently in the scheduler but stream one after another by index: later choices' chunks wait in
+    their own buffers."""
+    n = len(completion.jobs)
+    buffers = [trio.open_memory_channel[dict[str, Any]](math.inf) for _ in range(n)]
+    results: list[ChoiceResult | None] = [None] * n
+
+    async def run(i: int) -> None:
+        send = buffers[i][0]
+        async with send:
+            send.send_nowait(_chunk(completion, [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                  "finish_reason": None}]))
+
+            async def on_delta(delta: Delta) -> None:
+                for c in _delta_chunks(completion, i, delta):
+                    send.send_nowait(c)
+
+            result = await _run_choice(completion, i, on_delta)
+            results[i] = result
+            top: dict[str, Any] = {}
+            if completion.n_status:
+                top["n_status"] = completion.n_status
+            send.send_nowait(_chunk(completion, [{"index": i, "delta": {}, "finish_reason": result.finish_reason}],
+                                    **top))
+
+    async with trio.open_nursery() as nursery:
+        for i in range(n):
+            nursery.start_soon(run, i)
+        for i in range(n):
+            async with buffers[i][1] as receive:
+                async for chunk in receive:
+                    yield chunk
+    if completion.request.include_usage:
+        done = [r for r in results if r is not None]
+        yield _chunk(completion, [], usage=_usage_body(completion, done))

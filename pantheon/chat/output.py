@@ -1,0 +1,182 @@
+"""Turn one choice's sampled tokens into text deltas: streaming detokenization, stop strings, think split.
+
+Per token: detokenize (never a broken UTF-8 sequence) -> stop-string filter (holds back a tail that could
+still become a stop string, so a stop split across tokens is caught and never leaks) -> think splitter
+(routes text inside <think>...</think> to reasoning, holding back partial tags). Logprob entries ride the
+next delta that carries text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from pantheon.engine.sampling import SampledToken
+from pantheon.io.tokenizer import StreamingDecoder, Tokenizer
+
+THINK_OPEN = "<think>"
+THINK_CLOSE = "</think>"
+
+
+@dataclass
+class Delta:
+    reasoning: str = ""
+    content: str = ""
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.reasoning or self.content or self.logprobs)
+
+
+def _partial_suffix(text: str, needles: list[str]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of one of `needles`."""
+    best = 0
+    for needle in needles:
+        for n in range(min(len(needle) - 1, len(text)), best, -1):
+            if text.endswith(needle[:n]):
+                best = n
+                break
+    return best
+
+
+class StopFilter:
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = stops
+        self._pending = ""
+        self.stopped = False
+
+    def push(self, text: str) -> str:
+        if self.stopped:
+            return ""
+        self._pending += text
+        if not self.stops:
+            out, self._pending = self._pending, ""
+            return out
+        cut = min((i for i in (self._pending.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            out = self._pending[:cut]
+            self._pending = ""
+            self.stopped = True
+            return out
+        hold = _partial_suffix(self._pending, self.stops)
+        out = self._pending[: len(self._pending) - hold]
+        self._pending = self._pending[len(self._pending) - hold :]
+        return out
+
+    def flush(self) -> str:
+        out, self._pending = ("" if self.stopped else self._pending), ""
+        return out
+
+
+class ThinkSplitter:
+    """Routes text to reasoning or content. `in_think` starts True when the prompt already opened the block;
+    otherwise a <think> at the very start of the output (after whitespace) opens it."""
+
+    def __init__(self, enabled: bool, in_think: bool) -> None:
+        self.enabled = enabled
+        self.in_think = enabled and in_think
+        self._at_start = enabled and not in_think
+        self._after_close = False  # newlines right after </think> are template glue, not answer text
+        self._pending = ""
+
+    def push(self, text: str, delta: Delta) -> None:
+        if not self.enabled:
+            delta.content += text
+            return
+        self._pending += text
+        while self._pending:
+            if self._at_start:
+                stripped = self._pending.lstrip()
+                if stripped.startswith(THINK_OPEN):
+                    self._pending = stripped[len(THINK_OPEN):]
+                    self.in_think, self._at_start = True, False
+                    continue
+                if THINK_OPEN.startswith(stripped):
+                    return  # could still become <think>
+                self._at_start = False
+            if self.in_think:
+                i = self._pending.find(THINK_CLOSE)
+                if i >= 0:
+                    delta.reasoning += self._pending[:i]
+                    self._pending = self._pending[i + len(THINK_CLOSE):]
+                    self.in_think, self._after_close = False, True
+                    continue
+                hold = _partial_suffix(self._pending, [THINK_CLOSE])
+                delta.reasoning += self._pending[: len(self._pending) - hold]
+                self._pending = self._pending[len(self._pending) - hold:]
+                return
+            if self._after_close:
+                self._pending = self._pending.lstrip("\n")
+                if not self._pending:
+                    return
+                self._after_close = False
+            delta.content += self._pending
+            self._pending = ""
+
+    def flush(self, delta: Delta) -> None:
+        if self._pending:
+            if self.in_think:
+                delta.reasoning += self._pending
+            else:
+                delta.content += self._pending
+            self._pending = ""
+
+
+class ChoiceOutput:
+    def __init__(self, tokenizer: Tokenizer, *, stops: list[str], think: bool, prompt_opens_think: bool,
+                 want_logprobs: bool) -> None:
+        self.tokenizer = tokenizer
+        self._decoder = StreamingDecoder(tokenizer, skip_special=True)
+        self._stop = StopFilter(stops)
+        self._think = ThinkSplitter(think, prompt_opens_think)
+        self._want_logprobs = want_logprobs
+        self._pending_logprobs: list[dict[str, Any]] = []
+        self.content = ""
+        self.reasoning = ""
+        self.logprobs: list[dict[str, Any]] = []
+        self.completion_tokens = 0
+
+    @property
+    def stopped(self) -> bool:
+        return self._stop.stopped
+
+    def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+        raw = self.tokenizer.token_bytes(token_id)
+        return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+
+    def _logprob_entry(self, sampled: SampledToken) -> dict[str, Any]:
+        entry = self._entry(sampled.token_id, sampled.logprob if sampled.logprob is not None else 0.0)
+        entry["top_logprobs"] = [self._entry(t, lp) for t, lp in (sampled.top_logprobs or [])]
+        return entry
+
+    def _emit(self, delta: Delta) -> Delta:
+        self.content += delta.content
+        self.reasoning += delta.reasoning
+        if delta.content or delta.reasoning:
+            delta.logprobs = self._pending_logprobs
+            self._pending_logprobs = []
+        return delta
+
+    def push(self, sampled: SampledToken) -> Delta:
+        if self.stopped:
+            return Delta()
+        self.completion_tokens += 1
+        if self._want_logprobs:
+            entry = self._logprob_entry(sampled)
+            self._pending_logprobs.append(entry)
+            self.logprobs.append(entry)
+        delta = Delta()
+        self._think.push(self._stop.push(self._decoder.push(sampled.token_id)), delta)
+        return self._emit(delta)
+
+    def finish(self) -> Delta:
+        delta = Delta()
+        if not self.stopped:
+            self._think.push(self._stop.push(self._decoder.flush()), delta)
+            self._think.push(self._stop.flush(), delta)
+        self._think.flush(delta)
+        delta = self._emit(delta)
+        if self._pending_logprobs:
+            delta.logprobs = self._pending_logprobs
+            self._pending_logprobs = []
+        return delta

@@ -1,0 +1,228 @@
+"""Parse and validate a /v1/chat/completions body into a typed ChatRequest (defaults, aliases, clamps)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from pantheon.errors import invalid_request
+
+MAX_TOKENS_CLAMP = 1_048_576
+DEFAULT_MAX_TOKENS = 1024
+N_CAP = 8
+
+
+@dataclass
+class Message:
+    role: str
+    content: str
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+
+@dataclass
+class ChatRequest:
+    messages: list[Message]
+    model: str | None = None
+    temperature: float = 0.7
+    top_p: float = 0.95
+    top_k: int = 40
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    logprobs: bool = False
+    top_logprobs: int = 0
+    n: int = 1
+    n_capped: bool = False
+    response_format: dict[str, Any] | None = None
+    enable_thinking: bool | None = None
+    reasoning_budget: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = "auto"
+    session_id: str | None = None
+
+
+def _number(body: Mapping[str, Any], key: str, default: float) -> float:
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise invalid_request(f"'{key}' must be a finite number")
+    return float(value)
+
+
+def _integer(body: Mapping[str, Any], key: str, default: int | None) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise invalid_request(f"'{key}' must be an integer")
+    return int(value)
+
+
+def _boolean(body: Mapping[str, Any], key: str, default: bool | None) -> bool | None:
+    value = body.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise invalid_request(f"'{key}' must be a boolean")
+    return value
+
+
+def _content_text(content: Any) -> str:
+    """String content as is; an array of {"type":"text"} parts joined; anything else reads as empty."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(part["text"] for part in content
+                       if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str))
+    return ""
+
+
+def _parse_message(index: int, raw: Any) -> Message:
+    if not isinstance(raw, dict):
+        raise invalid_request(f"messages[{index}] must be an object")
+    role = raw.get("role") or "user"
+    if not isinstance(role, str):
+        raise invalid_request(f"messages[{index}].role must be a string")
+    reasoning = raw.get("reasoning_content")
+    if reasoning is None:
+        reasoning = raw.get("reasoning")  # other servers' spelling of the same field
+    tool_calls = raw.get("tool_calls")
+    if tool_calls is not None and not isinstance(tool_calls, list):
+        raise invalid_request(f"messages[{index}].tool_calls must be an array")
+    return Message(
+        role=role,
+        content=_content_text(raw.get("content")),
+        reasoning_content=reasoning if isinstance(reasoning, str) and reasoning else None,
+        tool_calls=[c for c in tool_calls if isinstance(c, dict)] if tool_calls else None,
+        tool_call_id=raw.get("tool_call_id") if isinstance(raw.get("tool_call_id"), str) else None,
+        name=raw.get("name") if isinstance(raw.get("name"), str) else None,
+    )
+
+
+def _parse_stop(value: Any) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value] if value else []
+    if isinstance(value, list) and all(isinstance(s, str) for s in value):
+        return [s for s in value if s]
+    raise invalid_request("'stop' must be a string or an array of strings")
+
+
+def _parse_logit_bias(value: Any) -> dict[int, float]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise invalid_request("'logit_bias' must be an object mapping token ids to numbers")
+    bias: dict[int, float] = {}
+    for key, raw in value.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            continue  # non-numeric keys are skipped, as the spec says
+        if isinstance(raw, bool) or not isinstance(raw, (int, float)) or not math.isfinite(raw):
+            continue
+        bias[token] = min(100.0, max(-100.0, float(raw)))
+    return bias
+
+
+def _session_key(body: Mapping[str, Any], header_session: str | None) -> str | None:
+    for key in ("session_id", "prompt_cache_key", "promptCacheKey"):
+        value = body.get(key)
+        if isinstance(value, str) and value:
+            return value
+    return header_session or None
+
+
+def parse_chat_request(body: Any, *, header_session: str | None = None) -> ChatRequest:
+    if not isinstance(body, dict):
+        raise invalid_request("request body must be a JSON object")
+    raw_messages = body.get("messages")
+    if raw_messages is None:
+        raise invalid_request("'messages' is required")
+    if not isinstance(raw_messages, list):
+        raise invalid_request("'messages' must be an array")
+    if not raw_messages:
+        raise invalid_request("'messages' must not be empty")
+    messages = [_parse_message(i, m) for i, m in enumerate(raw_messages)]
+
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise invalid_request("'model' must be a string")
+
+    max_tokens = _integer(body, "max_tokens", None)
+    if max_tokens is None:
+        max_tokens = _integer(body, "max_completion_tokens", DEFAULT_MAX_TOKENS)
+    assert max_tokens is not None
+    if max_tokens <= 0:
+        max_tokens = 512
+    max_tokens = min(max_tokens, MAX_TOKENS_CLAMP)
+
+    n = _integer(body, "n", 1) or 1
+    n = max(1, n)
+    n_capped = n > N_CAP
+    n = min(n, N_CAP)
+
+    stream_options = body.get("stream_options")
+    include_usage = False
+    if isinstance(stream_options, dict):
+        include_usage = bool(stream_options.get("include_usage"))
+
+    logprobs = bool(_boolean(body, "logprobs", False))
+    top_logprobs = _integer(body, "top_logprobs", 0) or 0
+    top_logprobs = max(0, min(20, top_logprobs))
+
+    seed = _integer(body, "seed", None)
+
+    reasoning_budget = _integer(body, "reasoning_budget", None)
+    if reasoning_budget is None:
+        reasoning_budget = _integer(body, "max_reasoning_tokens", None)
+
+    response_format = body.get("response_format")
+    if response_format is not None and not isinstance(response_format, dict):
+        raise invalid_request("'response_format' must be an object")
+
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise invalid_request("'tools' must be an array")
+
+    tool_choice = body.get("tool_choice", "auto")
+    if tool_choice is None:
+        tool_choice = "auto"
+
+    return ChatRequest(
+        messages=messages,
+        model=model,
+        temperature=_number(body, "temperature", 0.7),
+        top_p=_number(body, "top_p", 0.95),
+        top_k=_integer(body, "top_k", 40) or 0,
+        max_tokens=max_tokens,
+        stop=_parse_stop(body.get("stop")),
+        stream=bool(_boolean(body, "stream", False)),
+        include_usage=include_usage,
+        seed=seed,
+        presence_penalty=min(2.0, max(-2.0, _number(body, "presence_penalty", 0.0))),
+        frequency_penalty=min(2.0, max(-2.0, _number(body, "frequency_penalty", 0.0))),
+        logit_bias=_parse_logit_bias(body.get("logit_bias")),
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        n=n,
+        n_capped=n_capped,
+        response_format=response_format,
+        enable_thinking=_boolean(body, "enable_thinking", None),
+        reasoning_budget=reasoning_budget,
+        tools=[t for t in tools if isinstance(t, dict)] if tools else None,
+        tool_choice=tool_choice,
+        session_id=_session_key(body, header_session),
+    )

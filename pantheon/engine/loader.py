@@ -1,0 +1,95 @@
+"""Load one served model: GGUF -> model on a backend, tokenizer (cached by file identity), chat template."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pantheon.config import DEFAULT_CTX_CAP, EnvKnobs, ModelOptions
+from pantheon.errors import ModelLoadError
+from pantheon.io.chat_template import ChatTemplate, TemplateRenderError
+from pantheon.io.gguf_file import GGUFFile, open_gguf
+from pantheon.io.tokenizer import Tokenizer, TokenizerError
+from pantheon.models.registry import load_model
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    options: ModelOptions
+    gguf: GGUFFile
+    model: Any
+    tokenizer: Tokenizer
+    template: ChatTemplate
+    ctx_cap: int  # the configured per-session window (before any memory-ladder clamp)
+    weights_version: int
+    created: int
+
+    @property
+    def architecture(self) -> str:
+        return self.gguf.architecture
+
+
+def _load_tokenizer(gguf: GGUFFile, cache_dir: Path | None) -> Tokenizer:
+    cache_file = cache_dir / f"{gguf.identity}.tokenizer.json" if cache_dir else None
+    if cache_file is not None and cache_file.exists():
+        try:
+            return Tokenizer.from_json(cache_file.read_text())
+        except (TokenizerError, ValueError, KeyError):
+            pass  # stale or damaged cache: rebuild below
+    tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
+    if cache_file is not None:
+        try:
+            cache_file.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cache_file.with_suffix(".tmp")
+            tmp.write_text(tokenizer.to_json())
+            tmp.replace(cache_file)
+        except OSError:
+            pass
+    return tokenizer
+
+
+def weights_version_of(gguf: GGUFFile) -> int:
+    """Identifies the weights without hashing gigabytes: the tensor table (names, types, shapes, offsets)
+    plus a sample of each tensor's leading bytes and the file size. Same file -> same value across restarts
+    and paths; a changed weight almost always changes a tensor's first bytes or the table."""
+    digest = hashlib.sha256()
+    digest.update(str(gguf.path.stat().st_size).encode())
+    for name in sorted(gguf.tensors):
+        t = gguf.tensors[name]
+        digest.update(f"{name}|{t.qtype}|{t.shape}|{t.offset}|{t.nbytes}".encode())
+        data = gguf.tensor_bytes(name)
+        digest.update(data[:64].tobytes())
+        digest.update(data[-64:].tobytes())
+    return int.from_bytes(digest.digest()[:7], "big")  # < 2**56: exact in JSON numbers everywhere
+
+
+def load_served_model(options: ModelOptions, env: EnvKnobs, backend: Any) -> LoadedModel:
+    gguf = open_gguf(options.path, env.cache_dir)
+    try:
+        model = load_model(gguf, backend)
+        tokenizer = _load_tokenizer(gguf, env.cache_dir)
+        bos = tokenizer.token_text(tokenizer.bos_id) if tokenizer.bos_id is not None else ""
+        eos = tokenizer.token_text(tokenizer.eos_id) if tokenizer.eos_id is not None else ""
+        template = ChatTemplate(gguf.metadata.get("tokenizer.chat_template"), bos_token=bos, eos_token=eos)
+    except (TokenizerError, TemplateRenderError) as exc:
+        gguf.close()
+        raise ModelLoadError(f"{options.path}: {exc}") from None
+    except Exception:
+        gguf.close()
+        raise
+    ctx_cap = min(options.ctx_cap if options.ctx_cap > 0 else DEFAULT_CTX_CAP, model.context_length)
+    return LoadedModel(
+        name=options.name,
+        options=options,
+        gguf=gguf,
+        model=model,
+        tokenizer=tokenizer,
+        template=template,
+        ctx_cap=ctx_cap,
+        weights_version=weights_version_of(gguf),
+        created=int(time.time()),
+    )

@@ -1,0 +1,112 @@
+"""Token sampling: logit processors (bias, penalties), temperature, top-k, top-p, seeded RNG, logprobs.
+
+Runs on one sequence's logits row (float32, vocab-sized) in the forward worker thread. Greedy when
+temperature <= 0. The RNG is per sequence (numpy PCG64 seeded from `seed`), so a seeded request reproduces
+its tokens whatever else is batched beside it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.7
+    top_p: float = 0.95
+    top_k: int = 40
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: Mapping[int, float] = field(default_factory=dict)
+    top_logprobs: int | None = None  # None: no logprobs; 0..20: logprobs with that many alternatives
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    logprob: float | None = None
+    # (token id, logprob) of the most likely alternatives, best first, when asked for.
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    m = np.max(logits)
+    shifted = logits - m
+    return shifted - np.log(np.sum(np.exp(shifted)))
+
+
+class Sampler:
+    """Samples one sequence's tokens; holds its RNG and the counts the penalties need."""
+
+    def __init__(self, params: SamplingParams, vocab_size: int) -> None:
+        self.params = params
+        self.vocab_size = vocab_size
+        seed = params.seed if params.seed is not None else np.random.SeedSequence().entropy
+        self._rng = np.random.Generator(np.random.PCG64(int(seed) & ((1 << 128) - 1)))
+        self._counts: dict[int, int] = {}
+        self._bias_ids = np.array([t for t in params.logit_bias if 0 <= t < vocab_size], dtype=np.int64)
+        self._bias_values = np.array([params.logit_bias[int(t)] for t in self._bias_ids], dtype=np.float32)
+
+    def _processed(self, logits: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
+        p = self.params
+        out = logits.astype(np.float32, copy=True)
+        if self._bias_ids.size:
+            out[self._bias_ids] += self._bias_values
+        if self._counts and (p.presence_penalty or p.frequency_penalty):
+            ids = np.fromiter(self._counts.keys(), dtype=np.int64, count=len(self._counts))
+            counts = np.fromiter(self._counts.values(), dtype=np.float32, count=len(self._counts))
+            out[ids] -= p.presence_penalty + p.frequency_penalty * counts
+        if mask is not None:
+            out[~mask] = -np.inf
+        return out
+
+    def sample(self, logits: np.ndarray, mask: np.ndarray | None = None) -> SampledToken:
+        """`mask`: optional boolean (vocab,) array of allowed tokens (grammar constraints)."""
+        p = self.params
+        scores = self._processed(logits[: self.vocab_size], mask)
+        if p.greedy:
+            token = int(np.argmax(scores))
+        else:
+            token = self._sample_stochastic(scores)
+        self._counts[token] = self._counts.get(token, 0) + 1
+        result = SampledToken(token)
+        if p.top_logprobs is not None:
+            # Log-probabilities of the distribution the model gave (after bias/penalties, before temperature
+            # and truncation), as OpenAI reports them.
+            logp = _log_softmax(scores)
+            result.logprob = float(logp[token])
+            k = p.top_logprobs
+            if k > 0:
+                top = np.argpartition(-logp, k - 1)[:k]
+                top = top[np.argsort(-logp[top], kind="stable")]
+                result.top_logprobs = [(int(t), float(logp[t])) for t in top]
+            else:
+                result.top_logprobs = []
+        return result
+
+    def _sample_stochastic(self, scores: np.ndarray) -> int:
+        p = self.params
+        k = p.top_k if 0 < p.top_k < scores.size else scores.size
+        if k < scores.size:
+            candidates = np.argpartition(-scores, k - 1)[:k]
+        else:
+            candidates = np.flatnonzero(np.isfinite(scores))
+        cand_scores = scores[candidates].astype(np.float64) / p.temperature
+        order = np.argsort(-cand_scores, kind="stable")
+        candidates, cand_scores = candidates[order], cand_scores[order]
+        probs = np.exp(cand_scores - cand_scores[0])
+        probs /= probs.sum()
+        if 0.0 < p.top_p < 1.0:
+            cumulative = np.cumsum(probs)
+            keep = int(np.searchsorted(cumulative, p.top_p) + 1)
+            candidates, probs = candidates[:keep], probs[:keep]
+            probs = probs / probs.sum()
+        return int(candidates[self._rng.choice(probs.size, p=probs)])

@@ -1,0 +1,210 @@
+"""The ASGI application: routing, JSON in and out, SSE, and the disconnect watch.
+
+A (method, path) pair that is not in the spec's route table is answered 404 `not_found` ("unknown route"),
+including a known path with the wrong method: the spec defines routes as method + path.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from pantheon.buildinfo import build_id
+from pantheon.chat import completion as chat_completion
+from pantheon.chat.request import parse_chat_request
+from pantheon.config import EnvKnobs
+from pantheon.errors import ApiError
+from pantheon.http.asgi import (
+    BASE_HEADERS,
+    Receive,
+    Send,
+    headers_of,
+    internal_error,
+    parse_json_body,
+    read_body,
+    send_error,
+    send_json,
+    sse_data,
+    start_sse,
+)
+from pantheon.sched.registry import ModelInstance, Registry
+
+log = logging.getLogger("pantheon.http")
+
+Handler = Callable[[dict[str, Any], Receive, Send], Awaitable[None]]
+
+
+@dataclass
+class ServerState:
+    registry: Registry
+    env: EnvKnobs
+    backend: str
+    accelerator: bool = False
+    dies_visible: int = 0
+    draining: bool = False
+    build: str = field(default_factory=build_id)
+
+
+class App:
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+        self.routes: dict[tuple[str, str], Handler] = {
+            ("GET", "/"): self.health,
+            ("GET", "/v1/models"): self.models,
+            ("POST", "/v1/chat/completions"): self.chat_completions,
+        }
+
+    async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        method, path = scope["method"].upper(), scope["path"]
+        try:
+            if method == "OPTIONS":
+                await self.preflight(scope, receive, send)
+                return
+            handler = self.routes.get((method, path))
+            if handler is None:
+                raise ApiError(404, "not_found", "unknown route")
+            await handler(scope, receive, send)
+        except ApiError as exc:
+            await send_error(send, exc)
+        except ConnectionAbortedError:
+            pass  # the client left before we could answer
+        except Exception as exc:  # noqa: BLE001 - one bad request never takes the server down
+            await send_error(send, internal_error(exc))
+
+    @staticmethod
+    async def _lifespan(receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    # -- routes --------------------------------------------------------------------------------------------
+    async def preflight(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+        await send_json(send, 200, {}, {
+            "access-control-allow-methods": "GET, POST, OPTIONS",
+            "access-control-allow-headers": headers_of(scope).get("access-control-request-headers", "*"),
+            "access-control-max-age": "86400",
+        })
+
+    async def health(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+        s = self.state
+        await send_json(send, 200, {"service": "pantheon", "status": "ok", "backend": s.backend, "build": s.build,
+                                    "accelerator": s.accelerator, "dies_visible": s.dies_visible})
+
+    def model_entry(self, instance: ModelInstance) -> dict[str, Any]:
+        served, sched = instance.served, instance.scheduler
+        entry: dict[str, Any] = {
+            "id": served.name,
+            "object": "model",
+            "created": served.created,
+            "owned_by": "pantheon",
+            "max_sessions": served.options.resolved_max_sessions,
+            "max_concurrent": sched.max_concurrent,
+        }
+        window = sched.kv_cap
+        if window:
+            entry["context_window"] = window
+            entry["context_length"] = window
+            entry["max_model_len"] = window
+        entry["tool_choice_required_with_thinking"] = False
+        return entry
+
+    async def models(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+        s = self.state
+        seen: set[str] = set()
+        data = []
+        for instance in s.registry.instances:
+            if instance.name not in seen:
+                seen.add(instance.name)
+                data.append(self.model_entry(instance))
+        await send_json(send, 200, {"object": "list", "backend": s.backend, "build": s.build, "data": data})
+
+    async def chat_completions(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+        body = parse_json_body(await read_body(receive))
+        request = parse_chat_request(body, header_session=headers_of(scope).get("x-session-id"))
+        if self.state.draining:
+            raise ApiError(503, "server_shutting_down", "server is shutting down", headers={"Retry-After": "1"})
+        instance = self.state.registry.route(request.model)
+        completion = chat_completion.start_completion(instance, request, self.state.env)
+        try:
+            if request.stream:
+                await self._stream(completion, receive, send)
+            else:
+                await self._respond(completion, receive, send)
+        finally:
+            for job in completion.jobs:
+                job.cancel()
+
+    async def _respond(self, completion: chat_completion.Completion, receive: Receive, send: Send) -> None:
+        result: dict[str, Any] | None = None
+        error: Exception | None = None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_watch_disconnect, receive, nursery.cancel_scope)
+
+            async def produce() -> None:
+                nonlocal result, error
+                try:
+                    result = await chat_completion.complete(completion)
+                except Exception as exc:  # re-raised below, outside the nursery's exception group
+                    error = _single(exc)
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(produce)
+        if error is not None:
+            raise error
+        if result is not None:
+            with trio.CancelScope(shield=True):
+                await send_json(send, 200, result)
+
+    async def _stream(self, completion: chat_completion.Completion, receive: Receive, send: Send) -> None:
+        await start_sse(send)
+        finished = False
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_watch_disconnect, receive, nursery.cancel_scope)
+            try:
+                async with chat_completion.stream(completion) as chunks:
+                    async for chunk in chunks:
+                        await send({"type": "http.response.body", "body": sse_data(chunk), "more_body": True})
+            except Exception as exc:  # the status is already sent: report in-band, then end the stream
+                error = _single(exc)
+                api_error = error if isinstance(error, ApiError) else internal_error(error)
+                await send({"type": "http.response.body", "body": sse_data(api_error.body()), "more_body": True})
+            finished = True
+            nursery.cancel_scope.cancel()
+        if finished:
+            # Shielded and outside the watcher's scope: hypercorn's end-of-response bookkeeping must run
+            # to completion or a Connection: close socket stays open (see reference/libraries.md, 6).
+            with trio.CancelScope(shield=True):
+                await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+
+def _single(exc: BaseException) -> BaseException:
+    """Unwrap exception groups that carry a single error (trio nurseries wrap what their tasks raise)."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
+
+
+async def _watch_disconnect(receive: Receive, scope: trio.CancelScope) -> None:
+    """Cancel `scope` when the client goes away. The body has been read, so the next message is a
+    disconnect."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            scope.cancel()
+            return
+
+
+__all__ = ["App", "ServerState", "BASE_HEADERS"]

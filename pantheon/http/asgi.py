@@ -1,0 +1,88 @@
+"""Small ASGI helpers: read a body, send JSON, send an error. The one place errors become responses."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+import orjson
+
+from pantheon.errors import ApiError
+
+log = logging.getLogger("pantheon.http")
+
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+MAX_BODY_BYTES = 64 * 1024 * 1024
+
+# Every response carries these (spec: "Every response carries Access-Control-Allow-Origin: * and
+# Connection: close").
+BASE_HEADERS: list[tuple[bytes, bytes]] = [
+    (b"access-control-allow-origin", b"*"),
+    (b"connection", b"close"),
+]
+
+
+def headers_of(scope: Mapping[str, Any]) -> dict[str, str]:
+    return {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+
+
+async def read_body(receive: Receive) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ConnectionAbortedError("client disconnected while sending the body")
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise ApiError(400, "invalid_request_error", f"request body exceeds {MAX_BODY_BYTES} bytes")
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def parse_json_body(raw: bytes) -> Any:
+    if not raw.strip():
+        raise ApiError(400, "invalid_request_error", "request body is empty")
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise ApiError(400, "invalid_request_error", f"malformed JSON: {exc}") from None
+
+
+def _header_list(extra: Mapping[str, str] | None, content_type: bytes) -> list[tuple[bytes, bytes]]:
+    headers = [(b"content-type", content_type), *BASE_HEADERS]
+    for k, v in (extra or {}).items():
+        headers.append((k.lower().encode("latin-1"), str(v).encode("latin-1")))
+    return headers
+
+
+async def send_json(send: Send, status: int, body: Any, headers: Mapping[str, str] | None = None) -> None:
+    payload = orjson.dumps(body)
+    hdrs = _header_list(headers, b"application/json")
+    hdrs.append((b"content-length", str(len(payload)).encode()))
+    await send({"type": "http.response.start", "status": status, "headers": hdrs})
+    await send({"type": "http.response.body", "body": payload, "more_body": False})
+
+
+async def send_error(send: Send, error: ApiError) -> None:
+    await send_json(send, error.status, error.body(), error.headers)
+
+
+def internal_error(exc: BaseException) -> ApiError:
+    log.exception("unhandled error while serving a request", exc_info=exc)
+    return ApiError(500, "server_error", f"internal error: {type(exc).__name__}")
+
+
+async def start_sse(send: Send, headers: Mapping[str, str] | None = None) -> None:
+    hdrs = _header_list(headers, b"text/event-stream")
+    hdrs.append((b"cache-control", b"no-cache"))
+    await send({"type": "http.response.start", "status": 200, "headers": hdrs})
+
+
+def sse_data(payload: Any) -> bytes:
+    return b"data: " + orjson.dumps(payload) + b"\n\n"

@@ -1,0 +1,50 @@
+"""The cpu backend: numba kernels over GGUF blocks kept in their on-disk format (mmapped, never copied)."""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from pantheon.io.gguf_file import GGUFFile
+from pantheon.kernels.cpu import ops, quant
+from pantheon.kernels.cpu.quant import QWeight
+
+F32 = 0
+
+
+class CpuBackend:
+    name = "cpu"
+    accelerator = False
+
+    def __init__(self, threads: int = 0) -> None:
+        self.threads = min(threads, numba.config.NUMBA_NUM_THREADS) if threads > 0 else numba.config.NUMBA_NUM_THREADS
+
+    # -- weights -------------------------------------------------------------------------------------------
+    def weight(self, gguf: GGUFFile, name: str) -> QWeight:
+        info = gguf.tensors[name]
+        return quant.prepare_weight(gguf.tensor_bytes(name), info.qtype, info.rows, info.cols)
+
+    def vector(self, gguf: GGUFFile, name: str) -> np.ndarray:
+        """A small 1-D tensor (norm weights) as float32."""
+        info = gguf.tensors[name]
+        if info.qtype == F32:
+            return gguf.tensor_bytes(name).view(np.float32)
+        w = quant.prepare_weight(gguf.tensor_bytes(name), info.qtype, info.rows, info.cols)
+        return quant.dequantize_rows(w, np.arange(w.rows, dtype=np.int64)).reshape(-1)
+
+    # -- per-step ------------------------------------------------------------------------------------------
+    def begin_step(self) -> None:
+        # numba's thread count is per calling thread, and steps run on trio's worker threads.
+        numba.set_num_threads(self.threads)
+
+    def zeros(self, shape: tuple[int, ...], dtype: type = np.float32) -> np.ndarray:
+        return np.zeros(shape, dtype=dtype)
+
+    matmul = staticmethod(quant.matmul)
+    embed = staticmethod(quant.dequantize_rows)
+    rmsnorm = staticmethod(ops.rmsnorm)
+    add_rmsnorm = staticmethod(ops.add_rmsnorm)
+    rope_inplace = staticmethod(ops.rope_inplace)
+    swiglu = staticmethod(ops.swiglu)
+    attention = staticmethod(ops.attention)
+    attention_decode_batch = staticmethod(ops.attention_decode_batch)

@@ -1,0 +1,453 @@
+"""numba CPU kernels for the non-matmul ops of a llama-family transformer.
+
+Every kernel is compiled with `nogil=True`: the scheduler runs the forward pass in a worker thread while the
+trio loop keeps serving, so no kernel may hold the GIL. Arrays are float32 and C-contiguous unless a
+docstring says otherwise; the wrappers do not copy or convert, so passing anything else compiles (and caches)
+a slower specialization rather than failing.
+
+Each op has a serial kernel for decode-size inputs and, where the work can pay for a thread launch, a
+`parallel=True` twin that the wrapper picks above a size threshold. Attention is always parallel.
+The numpy references these are tested against live in `pantheon.kernels.reference.ops`.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import prange
+from numba.core import types
+from numba.extending import intrinsic
+
+# 'reassoc' lets LLVM vectorize sum and dot reductions; 'contract' allows FMAs. Neither assumes finite
+# values, so NaN and inf still propagate the way IEEE says. error_model="numpy" drops the ZeroDivisionError
+# check numba puts on every float division: that branch alone kept swiglu's loop scalar (6.4 vs 0.9 us).
+_FASTMATH = {"reassoc", "contract"}
+_njit = numba.njit(cache=True, nogil=True, fastmath=_FASTMATH, error_model="numpy")
+_njit_parallel = numba.njit(cache=True, nogil=True, fastmath=_FASTMATH, error_model="numpy", parallel=True)
+
+# Sizes from which the parallel twin of an op is used. A parallel launch costs 1.5-3 us even when it does
+# nothing, so decode-size rows stay serial. Crossovers measured on Zen 4 with 2 threads (rmsnorm ~25k
+# elements, swiglu ~10k, rope ~10 tokens), rounded up. rope counts tokens: its cost is the per-token sin/cos.
+RMSNORM_PARALLEL_MIN_ELEMENTS = 1 << 15
+SWIGLU_PARALLEL_MIN_ELEMENTS = 1 << 14
+ROPE_PARALLEL_MIN_TOKENS = 16
+
+# Attention tiling: KEY_TILE keys (of K and V) stay in L1 while QUERY_BLOCK query rows of one head use them.
+KEY_TILE = 64
+QUERY_BLOCK = 16
+
+
+# --- exp ---------------------------------------------------------------------------------------------
+
+
+@intrinsic
+def _int32_bits_as_float32(typingctx, bits):
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return types.float32(types.int32), codegen
+
+
+# Only 'contract' here: reassociating would undo the two-part ln2 subtraction that keeps r exact. LLVM, not
+# numba, inlines it, so these per-instruction flags survive inside the callers' 'reassoc' loops.
+@numba.njit(cache=True, nogil=True, fastmath={"contract"}, error_model="numpy")
+def _exp_f32(x):
+    """exp of a float32, within 1e-7 relative of the true value, written so that LLVM vectorizes it.
+
+    np.exp in a numba loop is a scalar libm call (no SVML here), about 10x slower than this; swiglu and the
+    softmax spend most of their time in it. Range reduction exp(x) = 2**n * exp(r), |r| <= ln2 / 2, then the
+    Cephes expf polynomial for exp(r), and 2**n built from its exponent bits. Results below 2**-126 flush to
+    0, results past about 88.4 (true limit 88.72) overflow to inf, NaN stays NaN.
+    """
+    clamped = min(max(x, np.float32(-87.3)), np.float32(88.7))
+    n = np.floor(clamped * np.float32(1.4426950408889634) + np.float32(0.5))
+    # ln2 split in two so that n * ln2_hi is exact and r keeps full precision
+    r = clamped - n * np.float32(0.693359375) + n * np.float32(2.12194440e-4)
+    p = np.float32(1.9875691500e-4)
+    p = p * r + np.float32(1.3981999507e-3)
+    p = p * r + np.float32(8.3334519073e-3)
+    p = p * r + np.float32(4.1665795894e-2)
+    p = p * r + np.float32(1.6666665459e-1)
+    p = p * r + np.float32(5.0000001201e-1)
+    p = p * r * r + r + np.float32(1.0)
+    result = p * _int32_bits_as_float32((np.int32(n) + np.int32(127)) << 23)
+    if x < np.float32(-87.3):
+        result = np.float32(0.0)
+    return result if x == x else x
+
+
+# --- rmsnorm -------------------------------------------------------------------------------------------
+
+
+@_njit
+def _rmsnorm_row(x, weight, eps, out, t):
+    # The sum of squares is accumulated in float64, as ggml does: rows reach 8k elements with outlier
+    # channels in the thousands, and a float64 sum costs nothing measurable at these sizes.
+    x_row = x[t]
+    out_row = out[t]
+    dim = x_row.shape[0]
+    sum_sq = 0.0
+    for i in range(dim):
+        value = np.float64(x_row[i])
+        sum_sq += value * value
+    inv_rms = np.float32(1.0 / np.sqrt(sum_sq / dim + eps))
+    for i in range(dim):
+        out_row[i] = x_row[i] * inv_rms * weight[i]
+
+
+@_njit
+def _rmsnorm_serial(x, weight, eps, out):
+    for t in range(x.shape[0]):
+        _rmsnorm_row(x, weight, eps, out, t)
+
+
+@_njit_parallel
+def _rmsnorm_parallel(x, weight, eps, out):
+    for t in prange(x.shape[0]):
+        _rmsnorm_row(x, weight, eps, out, t)
+
+
+@_njit
+def _add_rmsnorm_row(residual, delta, weight, eps, out, t):
+    residual_row = residual[t]
+    delta_row = delta[t]
+    out_row = out[t]
+    dim = residual_row.shape[0]
+    sum_sq = 0.0  # float64 for the same reason as in _rmsnorm_row
+    for i in range(dim):
+        summed = residual_row[i] + delta_row[i]
+        residual_row[i] = summed
+        sum_sq += np.float64(summed) * np.float64(summed)
+    inv_rms = np.float32(1.0 / np.sqrt(sum_sq / dim + eps))
+    for i in range(dim):
+        out_row[i] = residual_row[i] * inv_rms * weight[i]
+
+
+@_njit
+def _add_rmsnorm_serial(residual, delta, weight, eps, out):
+    for t in range(residual.shape[0]):
+        _add_rmsnorm_row(residual, delta, weight, eps, out, t)
+
+
+@_njit_parallel
+def _add_rmsnorm_parallel(residual, delta, weight, eps, out):
+    for t in prange(residual.shape[0]):
+        _add_rmsnorm_row(residual, delta, weight, eps, out, t)
+
+
+def rmsnorm(x: np.ndarray, weight: np.ndarray, eps: float, out: np.ndarray | None = None) -> np.ndarray:
+    """Root-mean-square norm of each row: x (T, D), weight (D,) -> x / sqrt(mean(x**2) + eps) * weight.
+
+    Writes into `out` (T, D) when given (it may be `x` itself) and returns it.
+    """
+    if out is None:
+        out = np.empty_like(x)
+    if x.size >= RMSNORM_PARALLEL_MIN_ELEMENTS:
+        _rmsnorm_parallel(x, weight, eps, out)
+    else:
+        _rmsnorm_serial(x, weight, eps, out)
+    return out
+
+
+def add_rmsnorm(
+    residual: np.ndarray, delta: np.ndarray, weight: np.ndarray, eps: float, out: np.ndarray
+) -> None:
+    """Fused residual add and norm: residual += delta in place, then out = rmsnorm(residual, weight, eps).
+
+    residual, delta, out are (T, D); weight is (D,). One pass over the row instead of two.
+    """
+    if residual.size >= RMSNORM_PARALLEL_MIN_ELEMENTS:
+        _add_rmsnorm_parallel(residual, delta, weight, eps, out)
+    else:
+        _add_rmsnorm_serial(residual, delta, weight, eps, out)
+
+
+# --- rope ----------------------------------------------------------------------------------------------
+
+
+@_njit
+def _rope_token(x, positions, n_rot, freq_base, neox, freq_scale, cos_row, sin_row, t):
+    half = n_rot // 2
+    # Angles and their sin/cos are computed in float64: at position 5000 a float32 angle is off by ~3e-4 rad,
+    # which would show as a 3e-4 relative error in q and k. They are shared by all heads of the token.
+    theta = np.float64(positions[t]) * freq_scale
+    step = freq_base ** (-2.0 / n_rot)
+    for i in range(half):
+        cos_row[i] = np.float32(np.cos(theta))
+        sin_row[i] = np.float32(np.sin(theta))
+        theta *= step
+    for h in range(x.shape[1]):
+        head = x[t, h]
+        if neox:
+            for i in range(half):
+                a = head[i]
+                b = head[i + half]
+                head[i] = a * cos_row[i] - b * sin_row[i]
+                head[i + half] = a * sin_row[i] + b * cos_row[i]
+        else:
+            for i in range(half):
+                a = head[2 * i]
+                b = head[2 * i + 1]
+                head[2 * i] = a * cos_row[i] - b * sin_row[i]
+                head[2 * i + 1] = a * sin_row[i] + b * cos_row[i]
+
+
+@_njit
+def _rope_serial(x, positions, n_rot, freq_base, neox, freq_scale):
+    cos_row = np.empty(n_rot // 2, dtype=np.float32)
+    sin_row = np.empty(n_rot // 2, dtype=np.float32)
+    for t in range(x.shape[0]):
+        _rope_token(x, positions, n_rot, freq_base, neox, freq_scale, cos_row, sin_row, t)
+
+
+@_njit_parallel
+def _rope_parallel(x, positions, n_rot, freq_base, neox, freq_scale):
+    cos_table = np.empty((x.shape[0], n_rot // 2), dtype=np.float32)
+    sin_table = np.empty((x.shape[0], n_rot // 2), dtype=np.float32)
+    for t in prange(x.shape[0]):
+        _rope_token(x, positions, n_rot, freq_base, neox, freq_scale, cos_table[t], sin_table[t], t)
+
+
+def rope_inplace(
+    x: np.ndarray,
+    positions: np.ndarray,
+    n_rot: int,
+    freq_base: float,
+    neox: bool,
+    freq_scale: float = 1.0,
+) -> None:
+    """Rotary position embedding, in place, of x (T, H, head_dim) at positions (T,) int32.
+
+    The first n_rot dims of each head (n_rot even, <= head_dim) turn pair by pair: pair i by
+    theta_i = pos * freq_scale * freq_base ** (-2i / n_rot), (a, b) -> (a cos - b sin, a sin + b cos).
+    neox=False pairs dims (2i, 2i + 1) (llama.cpp LLAMA_ROPE_TYPE_NORM); neox=True pairs (i, i + n_rot / 2)
+    (LLAMA_ROPE_TYPE_NEOX). Dims from n_rot on are left as they are.
+    """
+    if n_rot % 2 or not 0 < n_rot <= x.shape[2]:
+        raise ValueError(f"n_rot must be even and in (0, head_dim={x.shape[2]}], got {n_rot}")
+    if x.shape[0] >= ROPE_PARALLEL_MIN_TOKENS:
+        _rope_parallel(x, positions, n_rot, float(freq_base), bool(neox), float(freq_scale))
+    else:
+        _rope_serial(x, positions, n_rot, float(freq_base), bool(neox), float(freq_scale))
+
+
+# --- swiglu --------------------------------------------------------------------------------------------
+
+
+@_njit
+def _swiglu_row(gate, up, out, t):
+    gate_row = gate[t]
+    up_row = up[t]
+    out_row = out[t]
+    for i in range(gate_row.shape[0]):
+        g = gate_row[i]
+        # exp(-g) overflows to inf for g < -88.4 and g / inf is -0, which is the right limit.
+        out_row[i] = g / (np.float32(1.0) + _exp_f32(-g)) * up_row[i]
+
+
+@_njit
+def _swiglu_serial(gate, up, out):
+    for t in range(gate.shape[0]):
+        _swiglu_row(gate, up, out, t)
+
+
+@_njit_parallel
+def _swiglu_parallel(gate, up, out):
+    for t in prange(gate.shape[0]):
+        _swiglu_row(gate, up, out, t)
+
+
+def swiglu(gate: np.ndarray, up: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """silu(gate) * up for gate, up (T, F); writes into `out` (may alias gate or up) and returns it."""
+    if out is None:
+        out = np.empty_like(gate)
+    if gate.size >= SWIGLU_PARALLEL_MIN_ELEMENTS:
+        _swiglu_parallel(gate, up, out)
+    else:
+        _swiglu_serial(gate, up, out)
+    return out
+
+
+# --- attention -----------------------------------------------------------------------------------------
+
+
+@_njit
+def _attend_rows(
+    q, t0, n_rows, head, keys, values, kv_head, first_pos, scale, out, scores, row_max, row_sum, acc
+):
+    """Causal attention of query rows q[t0 : t0 + n_rows, head] over keys[:, kv_head] / values[:, kv_head].
+
+    Row i sits at position first_pos + i and sees key rows 0 .. first_pos + i. Online softmax over tiles of
+    KEY_TILE keys: per row a running max and sum, and an accumulator rescaled whenever the max grows, so no
+    score matrix is ever built. Everything is float32; the running max keeps every exp() argument <= 0.
+    """
+    for i in range(n_rows):
+        row_max[i] = -np.inf
+        row_sum[i] = 0.0
+        acc[i, :] = 0.0
+    n_keys = first_pos + n_rows
+    for k0 in range(0, n_keys, KEY_TILE):
+        k1 = min(n_keys, k0 + KEY_TILE)
+        for i in range(n_rows):
+            k_end = min(k1, first_pos + i + 1)
+            if k_end <= k0:
+                continue  # this row's last visible key is before the tile
+            q_row = q[t0 + i, head]
+            acc_row = acc[i]
+            old_max = row_max[i]
+            new_max = old_max
+            for j in range(k0, k_end):
+                k_row = keys[j, kv_head]
+                dot = np.float32(0.0)
+                for c in range(q_row.shape[0]):
+                    dot += q_row[c] * k_row[c]
+                score = dot * scale
+                scores[j - k0] = score
+                new_max = max(new_max, score)
+            correction = _exp_f32(old_max - new_max)
+            total = row_sum[i] * correction
+            if correction != 1.0:
+                for c in range(acc_row.shape[0]):
+                    acc_row[c] *= correction
+            for j in range(k0, k_end):
+                scores[j - k0] = _exp_f32(scores[j - k0] - new_max)
+                total += scores[j - k0]
+            for j in range(k0, k_end):
+                weight = scores[j - k0]
+                v_row = values[j, kv_head]
+                for c in range(acc_row.shape[0]):
+                    acc_row[c] += weight * v_row[c]
+            row_sum[i] = total
+            row_max[i] = new_max
+    for i in range(n_rows):
+        inv_total = np.float32(1.0) / row_sum[i]
+        out_row = out[t0 + i, head]
+        for c in range(out_row.shape[0]):
+            out_row[c] = acc[i, c] * inv_total
+
+
+@_njit_parallel
+def _attention_kernel(q, k_cache, v_cache, start_pos, scale, out):
+    n_tokens, n_q_heads, head_dim = q.shape
+    group = n_q_heads // k_cache.shape[1]
+    scale32 = np.float32(scale)
+    n_blocks = (n_tokens + QUERY_BLOCK - 1) // QUERY_BLOCK
+    # prange hands each thread one contiguous run of items. A causal block late in the prompt costs more than
+    # an early one, so blocks are visited in zigzag order (0, n-1, 1, n-2, ...): any run of two or more items
+    # of a head then costs about the average. Items of one head are adjacent, so a thread keeps its K/V tiles.
+    for item in prange(n_q_heads * n_blocks):
+        head = item // n_blocks
+        rank = item % n_blocks
+        block = rank // 2 if rank % 2 == 0 else n_blocks - 1 - rank // 2
+        t0 = block * QUERY_BLOCK
+        n_rows = min(QUERY_BLOCK, n_tokens - t0)
+        scores = np.empty(KEY_TILE, dtype=np.float32)
+        row_max = np.empty(QUERY_BLOCK, dtype=np.float32)
+        row_sum = np.empty(QUERY_BLOCK, dtype=np.float32)
+        acc = np.empty((QUERY_BLOCK, head_dim), dtype=np.float32)
+        _attend_rows(
+            q, t0, n_rows, head, k_cache, v_cache, head // group, start_pos + t0, scale32, out,
+            scores, row_max, row_sum, acc,
+        )
+
+
+@_njit_parallel
+def _attention_decode_kernel(q, k_all, v_all, slot_ids, positions, scale, out):
+    n_seqs, n_q_heads, head_dim = q.shape
+    n_slots, ctx = k_all.shape[0], k_all.shape[1]
+    for b in range(n_seqs):
+        if slot_ids[b] < 0 or slot_ids[b] >= n_slots:
+            raise ValueError("attention_decode_batch: slot id out of range")
+        if positions[b] < 0 or positions[b] >= ctx:
+            raise ValueError("attention_decode_batch: position outside the KV cache")
+    group = n_q_heads // k_all.shape[2]
+    scale32 = np.float32(scale)
+    for item in prange(n_seqs * n_q_heads):
+        b = item // n_q_heads
+        head = item % n_q_heads
+        slot = slot_ids[b]
+        scores = np.empty(KEY_TILE, dtype=np.float32)
+        row_max = np.empty(1, dtype=np.float32)
+        row_sum = np.empty(1, dtype=np.float32)
+        acc = np.empty((1, head_dim), dtype=np.float32)
+        _attend_rows(
+            q, b, 1, head, k_all[slot], v_all[slot], head // group, positions[b], scale32, out,
+            scores, row_max, row_sum, acc,
+        )
+
+
+def attention(
+    q: np.ndarray,
+    k_cache: np.ndarray,
+    v_cache: np.ndarray,
+    start_pos: int,
+    scale: float,
+    out: np.ndarray | None = None,
+) -> np.ndarray:
+    """Causal grouped-query attention of T new tokens over one sequence's KV cache.
+
+    q (T, Hq, hd); k_cache, v_cache (ctx, Hkv, hd), with the T new keys and values already written at rows
+    start_pos .. start_pos + T - 1. Query t sits at position start_pos + t and attends to cache rows
+    0 .. start_pos + t; rows past start_pos + T - 1 are never read. Query head h uses kv head
+    h // (Hq // Hkv). Returns softmax(scale * q.k) . v as (T, Hq, hd), written into `out` when given
+    (`out` may be q itself: each (rows, head) piece is written only after its own queries were read).
+
+    Works in tiles with an online softmax, so memory stays O(threads * tile) for any prompt length; the work
+    is spread over (16-query block, head) items on all numba threads.
+    """
+    n_tokens, n_q_heads, head_dim = q.shape
+    ctx, n_kv_heads, kv_dim = k_cache.shape
+    if kv_dim != head_dim or v_cache.shape != k_cache.shape or n_q_heads % n_kv_heads:
+        raise ValueError(
+            f"attention shapes do not fit: q {q.shape}, k_cache {k_cache.shape}, v_cache {v_cache.shape}"
+        )
+    if start_pos < 0 or start_pos + n_tokens > ctx:
+        raise ValueError(
+            f"attention: rows {start_pos}..{start_pos + n_tokens - 1} are outside a cache of {ctx}"
+        )
+    if out is None:
+        out = np.empty_like(q)
+    _attention_kernel(q, k_cache, v_cache, start_pos, scale, out)
+    return out
+
+
+def attention_decode_batch(
+    q: np.ndarray,
+    k_cache: np.ndarray,
+    v_cache: np.ndarray,
+    positions: np.ndarray,
+    scale: float,
+    out: np.ndarray | None = None,
+    *,
+    slot_ids: np.ndarray | None = None,
+) -> np.ndarray:
+    """One decode token for each of B sequences, in a single parallel launch over (sequence, head).
+
+    The caches are stacked, not a list: k_cache, v_cache (S, ctx, Hkv, hd) hold S slots of one layer, and
+    sequence b reads slot slot_ids[b] (int32 (B,); omitted means slot b, which needs S >= B). A slot's
+    cache is the C-contiguous view k_cache[slot], which is what `attention` takes for that sequence.
+    q (B, Hq, hd); positions int32 (B,): sequence b's query sits at positions[b] (its new key and value
+    already written there) and attends to rows 0 .. positions[b] of its slot. Returns (B, Hq, hd), written
+    into `out` when given (may be q itself). A slot id or position outside the cache raises ValueError.
+    """
+    n_seqs, n_q_heads, head_dim = q.shape
+    is_stacked = isinstance(k_cache, np.ndarray) and k_cache.ndim == 4
+    if not is_stacked or getattr(v_cache, "shape", None) != k_cache.shape:
+        raise TypeError(
+            "attention_decode_batch takes stacked caches (S, ctx, Hkv, hd) plus slot_ids, "
+            f"got {type(k_cache).__name__} / {type(v_cache).__name__}"
+        )
+    if k_cache.shape[3] != head_dim or n_q_heads % k_cache.shape[2] or len(positions) != n_seqs:
+        raise ValueError(
+            f"attention_decode_batch shapes do not fit: q {q.shape}, caches {k_cache.shape}, "
+            f"positions {len(positions)}"
+        )
+    if slot_ids is None:
+        slot_ids = np.arange(n_seqs, dtype=np.int32)
+    elif len(slot_ids) != n_seqs:
+        raise ValueError(f"attention_decode_batch: {len(slot_ids)} slot ids for {n_seqs} queries")
+    if out is None:
+        out = np.empty_like(q)
+    _attention_decode_kernel(q, k_cache, v_cache, slot_ids, positions, scale, out)
+    return out

@@ -1,0 +1,582 @@
+"""Matrix products computed directly on GGUF quantized weights, on the CPU, with numba.
+
+A weight is N x K: N rows (output features) of K values (input features, ggml ne0), each row stored as the raw
+GGUF blocks. Activations `x` are float32 (B, K); `matmul` returns float32 (B, N) = x @ dequantize(W).T.
+
+Paths, chosen by `matmul`:
+- F32 weights: numpy BLAS on a zero-copy float32 view of the bytes.
+- B < TILE_MIN_BATCH (decode): `_gemm_rows`, one kernel per type (the driver specialised on the type's row
+  dequantizer). Each weight row is unpacked into a float32 scratch row that stays in L1, then dotted with every
+  activation row, four at a time, while it is hot: the weights are read from memory once per call.
+- B >= TILE_MIN_BATCH (prefill): tiles of weight rows are unpacked into a reused float32 scratch by `_dequant_tile`
+  and multiplied with BLAS (`x @ tile.T`, written into a column slice of `out`).
+
+Nothing is dequantized at load time: `prepare_weight` only validates sizes and takes a read-only view of the bytes.
+
+Why the row-scratch form and not a dot product on each block in registers: numba compiles without LLVM's SLP
+vectorizer, so a block's 16- or 32-wide inner loop only vectorizes as a loop, and a per-block dot then pays one
+horizontal sum per block and per activation row. Measured on Q4_1 1536x576, one thread (Zen 4): per-block fused dot
+0.137 ms at B=1 and 1.03 ms at B=8, against 0.105 ms and 0.32 ms for the row scratch.
+
+The kernels run with the GIL released (`nogil`) and use numba's thread pool (`parallel`); the caller sizes it with
+`numba.set_num_threads`. BLAS threads (prefill path) are OpenBLAS's own.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import numba
+import numpy as np
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+from llvmlite import ir
+from numba import prange, types
+from numba.extending import intrinsic
+
+__all__ = [
+    "SUPPORTED_TYPES",
+    "TILE_MIN_BATCH",
+    "QWeight",
+    "UnsupportedTensorType",
+    "dequantize_rows",
+    "matmul",
+    "prepare_weight",
+]
+
+F32, F16, BF16 = 0, 1, 30
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 2, 3, 6, 7, 8
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 10, 11, 12, 13, 14
+
+# Batch size from which `matmul` dequantizes tiles and multiplies with BLAS instead of `_gemm_rows`.
+# Measured with bench/kernels_matmul.py (2 threads, Zen 4, OpenBLAS 0.3.31), ms per call, rows kernel / tiles+BLAS:
+#   Q4_1 1536x576:  B=8 0.17 / 0.40   B=16 0.33 / 0.44   B=24 0.50 / 0.52   B=32 0.66 / 0.55   B=64 1.31 / 0.88
+#   Q4_1 576x1536:  B=8 0.17 / 0.38   B=16 0.33 / 0.43   B=24 0.49 / 0.50   B=32 0.65 / 0.56   B=64 1.29 / 0.89
+# (OpenBLAS is slow for 2 <= B <= 16: sgemm with few rows runs at a few GFLOP/s, so the rows kernel beats it there.)
+TILE_MIN_BATCH = 24
+# Weight rows per tile: the float32 tile stays near 1 MiB, inside L2, for BLAS to re-read.
+_TILE_BYTES = 1 << 20
+# Rows per parallel chunk in `_gemm_rows` (one scratch row is allocated per chunk).
+_ROW_CHUNK = 32
+
+# Every inner loop over a block runs `range(n16)` or `range(2 * n16)` with n16 == 16 passed in from Python. A literal
+# bound would let LLVM unroll the 16-trip loop into straight-line code before its loop vectorizer runs, and numba
+# runs without the SLP vectorizer, so it would stay scalar (measured 2.3 vs 11.5 Gelem/s for a Q4_1 row).
+_N16 = 16
+
+# Fast-math without nnan/ninf: reassociation lets the dot products vectorize, and NaN/Inf in the data still propagate.
+_FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
+_KERNEL = dict(cache=True, nogil=True, fastmath=_FASTMATH)
+
+
+class UnsupportedTensorType(ValueError):
+    """A ggml tensor type that these kernels cannot multiply."""
+
+
+@dataclass(frozen=True)
+class QWeight:
+    """A weight matrix as raw GGUF bytes: `rows` (N) rows of `cols` (K) values, shape (rows, row_bytes) uint8."""
+
+    qtype: int
+    rows: int
+    cols: int
+    data: np.ndarray
+
+    def __post_init__(self) -> None:
+        row_bytes = _row_bytes(self.qtype, self.rows, self.cols)
+        data = self.data
+        if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.shape != (self.rows, row_bytes):
+            raise ValueError(
+                f"QWeight data must be uint8 of shape ({self.rows}, {row_bytes}) for {_type_name(self.qtype)} "
+                f"{self.rows}x{self.cols}, got {getattr(data, 'dtype', type(data).__name__)} "
+                f"{getattr(data, 'shape', '')}"
+            )
+        if not data.flags.c_contiguous:
+            raise ValueError("QWeight data must be C-contiguous")
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+
+def prepare_weight(raw: np.ndarray, qtype: int, rows: int, cols: int) -> QWeight:
+    """Wrap a tensor's bytes (as GGUFReader gives them) as a QWeight, without copying.
+
+    Args:
+        raw: C-contiguous array of any dtype and shape holding exactly rows * row_bytes bytes (may be a memmap).
+        qtype: ggml type id.
+        rows: N, the output features (ggml ne1).
+        cols: K, the input features (ggml ne0); a multiple of the type's block size.
+
+    Raises:
+        UnsupportedTensorType: qtype is not in SUPPORTED_TYPES.
+        ValueError: the sizes do not match, or raw is not C-contiguous.
+    """
+    row_bytes = _row_bytes(qtype, rows, cols)
+    if not isinstance(raw, np.ndarray):
+        raise ValueError(f"raw must be a numpy array, got {type(raw).__name__}")
+    if raw.nbytes != rows * row_bytes:
+        raise ValueError(
+            f"{_type_name(qtype)} {rows}x{cols} needs {rows * row_bytes} bytes ({rows} rows of {row_bytes}), "
+            f"got {raw.nbytes} (dtype {raw.dtype}, shape {raw.shape})"
+        )
+    if not raw.flags.c_contiguous:
+        raise ValueError("raw tensor bytes must be C-contiguous")
+    # np.asarray drops the memmap subclass (a view, no copy); read-only keeps one numba signature for every weight.
+    data = np.asarray(raw).reshape(-1).view(np.uint8).reshape(rows, row_bytes)
+    data.flags.writeable = False
+    return QWeight(qtype, rows, cols, data)
+
+
+def matmul(w: QWeight, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """out = x @ dequantize(w).T, float32 (B, N). x: float32 (B, K), C-contiguous. out, if given, is written in place."""
+    if w.qtype not in SUPPORTED_TYPES:
+        raise UnsupportedTensorType(f"ggml tensor type {_type_name(w.qtype)} is not supported by the CPU kernels")
+    if x.dtype != np.float32 or x.ndim != 2 or x.shape[1] != w.cols or not x.flags.c_contiguous:
+        raise ValueError(
+            f"x must be C-contiguous float32 of shape (B, {w.cols}), got {x.dtype} {x.shape}"
+            + ("" if x.flags.c_contiguous else " (not C-contiguous)")
+        )
+    batch = x.shape[0]
+    if out is None:
+        out = np.empty((batch, w.rows), dtype=np.float32)
+    elif out.dtype != np.float32 or out.shape != (batch, w.rows) or not out.flags.c_contiguous:
+        raise ValueError(f"out must be C-contiguous float32 of shape ({batch}, {w.rows}), got {out.dtype} {out.shape}")
+    if batch == 0:
+        return out
+    if w.qtype == F32:
+        np.matmul(x, w.data.view(np.float32).T, out=out)
+    elif batch < TILE_MIN_BATCH:
+        _gemm_rows(w.qtype, w.data, x, out, _N16)
+    else:
+        _gemm_tiles(w, x, out)
+    return out
+
+
+def dequantize_rows(w: QWeight, row_ids: np.ndarray) -> np.ndarray:
+    """Rows `row_ids` of the dequantized weight, float32 (len(row_ids), K): the embedding lookup.
+
+    Raises:
+        ValueError: row_ids is not a 1-D integer array.
+        IndexError: an id is outside [0, rows).
+    """
+    if w.qtype not in SUPPORTED_TYPES:
+        raise UnsupportedTensorType(f"ggml tensor type {_type_name(w.qtype)} is not supported by the CPU kernels")
+    ids = np.asarray(row_ids)
+    if ids.ndim != 1 or ids.dtype.kind not in "iu":
+        raise ValueError(f"row_ids must be a 1-D integer array, got {ids.dtype} {ids.shape}")
+    out = np.empty((ids.shape[0], w.cols), dtype=np.float32)
+    if ids.shape[0] == 0:
+        return out
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= w.rows:
+        raise IndexError(f"row id {lo if lo < 0 else hi} out of range for a weight with {w.rows} rows")
+    if w.qtype == F32:
+        np.take(w.data.view(np.float32), ids, axis=0, out=out)
+    else:
+        _dequant_rows(w.qtype, w.data, ids.astype(np.int64, copy=False), out, _N16)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Python-side helpers.
+
+
+def _type_name(qtype: int) -> str:
+    try:
+        return f"{GGMLQuantizationType(qtype).name} ({qtype})"
+    except ValueError:
+        return f"unknown ({qtype})"
+
+
+def _row_bytes(qtype: int, rows: int, cols: int) -> int:
+    if qtype not in SUPPORTED_TYPES:
+        raise UnsupportedTensorType(f"ggml tensor type {_type_name(qtype)} is not supported by the CPU kernels")
+    block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
+    if rows < 1 or cols < 1:
+        raise ValueError(f"weight shape must be positive, got rows={rows} cols={cols}")
+    if cols % block:
+        raise ValueError(f"{_type_name(qtype)}: cols={cols} is not a multiple of the block size {block}")
+    return cols // block * block_bytes
+
+
+_scratch = threading.local()
+
+
+def _tile_scratch(size: int) -> np.ndarray:
+    """A float32 buffer of at least `size`, reused by this thread across calls."""
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.size < size:
+        buf = np.empty(size, dtype=np.float32)
+        _scratch.buf = buf
+    return buf[:size]
+
+
+def _gemm_tiles(w: QWeight, x: np.ndarray, out: np.ndarray) -> None:
+    tile_rows = min(w.rows, max(16, _TILE_BYTES // (4 * w.cols)))
+    scratch = _tile_scratch(tile_rows * w.cols).reshape(tile_rows, w.cols)
+    for r0 in range(0, w.rows, tile_rows):
+        r1 = min(w.rows, r0 + tile_rows)
+        tile = scratch[: r1 - r0]
+        _dequant_tile(w.qtype, w.data, r0, tile, _N16)
+        np.matmul(x, tile.T, out=out[:, r0:r1])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Scalar conversions (LLVM IR: `fpext half` compiles to one F16C instruction; numba has no float16 type on the CPU).
+
+
+@intrinsic
+def _half(typingctx, lo, hi):
+    """float32 from the little-endian IEEE half in bytes (lo, hi)."""
+    if lo != types.uint8 or hi != types.uint8:
+        return None
+
+    def codegen(context, builder, signature, args):
+        i16 = ir.IntType(16)
+        bits = builder.or_(builder.zext(args[0], i16), builder.shl(builder.zext(args[1], i16), ir.Constant(i16, 8)))
+        return builder.fpext(builder.bitcast(bits, ir.HalfType()), ir.FloatType())
+
+    return types.float32(lo, hi), codegen
+
+
+@intrinsic
+def _bf16(typingctx, lo, hi):
+    """float32 from the little-endian bfloat16 in bytes (lo, hi)."""
+    if lo != types.uint8 or hi != types.uint8:
+        return None
+
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        bits = builder.or_(
+            builder.shl(builder.zext(args[0], i32), ir.Constant(i32, 16)),
+            builder.shl(builder.zext(args[1], i32), ir.Constant(i32, 24)),
+        )
+        return builder.bitcast(bits, ir.FloatType())
+
+    return types.float32(lo, hi), codegen
+
+
+_u8, _i8, _f32 = np.uint8, np.int8, np.float32
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Row dequantizers: `_deq_<type>(row, dst, n16)` writes the K floats of one weight row (its raw bytes) into dst[:K].
+# Block layouts follow gguf.quants (dequantize_blocks). Integer values are narrowed (_u8/_i8) before the float
+# conversion: numba computes integers in int64, and a 64-bit int->float conversion vectorizes badly or not at all.
+
+
+@numba.njit(**_KERNEL)
+def _deq_f16(row, dst, n16):
+    for k in range(row.shape[0] // 2):
+        dst[k] = _half(row[2 * k], row[2 * k + 1])
+
+
+@numba.njit(**_KERNEL)
+def _deq_bf16(row, dst, n16):
+    for k in range(row.shape[0] // 2):
+        dst[k] = _bf16(row[2 * k], row[2 * k + 1])
+
+
+@numba.njit(**_KERNEL)
+def _deq_q8_0(row, dst, n16):
+    # d f16, qs int8[32]
+    for i in range(row.shape[0] // 34):
+        p, o = i * 34, i * 32
+        d = _half(row[p], row[p + 1])
+        for j in range(2 * n16):
+            dst[o + j] = d * _f32(_i8(row[p + 2 + j]))
+
+
+@numba.njit(**_KERNEL)
+def _deq_q4_0(row, dst, n16):
+    # d f16, qs[16]: element j is the low nibble of qs[j], element 16+j the high one; value d * (q - 8)
+    for i in range(row.shape[0] // 18):
+        p, o = i * 18, i * 32
+        d = _half(row[p], row[p + 1])
+        for j in range(n16):
+            q = row[p + 2 + j]
+            dst[o + j] = d * _f32(_i8((q & 15) - 8))
+            dst[o + 16 + j] = d * _f32(_i8((q >> 4) - 8))
+
+
+@numba.njit(**_KERNEL)
+def _deq_q4_1(row, dst, n16):
+    # d f16, m f16, qs[16]; value d * q + m
+    for i in range(row.shape[0] // 20):
+        p, o = i * 20, i * 32
+        d = _half(row[p], row[p + 1])
+        m = _half(row[p + 2], row[p + 3])
+        for j in range(n16):
+            q = row[p + 4 + j]
+            dst[o + j] = d * _f32(_u8(q & 15)) + m
+            dst[o + 16 + j] = d * _f32(_u8(q >> 4)) + m
+
+
+# _BIT[j] = 1 << j: testing a qh bit against a loaded mask vectorizes in 32-bit lanes, where `(qh >> j) & 1` with a
+# per-lane shift stays in 64-bit lanes (5.2 against 8.5 Gelem/s for Q5_0).
+_BIT = np.array([1 << j for j in range(32)], dtype=np.uint32)
+
+
+@numba.njit(inline="always")
+def _u32(row, p):
+    return np.uint32(row[p]) | (np.uint32(row[p + 1]) << 8) | (np.uint32(row[p + 2]) << 16) | (np.uint32(row[p + 3]) << 24)
+
+
+@numba.njit(**_KERNEL)
+def _deq_q5_0(row, dst, n16):
+    # d f16, qh u32 (bit j is the 5th bit of element j), qs[16] as Q4_0; value d * (q - 16)
+    for i in range(row.shape[0] // 22):
+        p, o = i * 22, i * 32
+        d = _half(row[p], row[p + 1])
+        qh = _u32(row, p + 2)
+        for j in range(n16):
+            q = row[p + 6 + j]
+            lo = (q & 15) | (16 if qh & _BIT[j] else 0)
+            hi = (q >> 4) | (16 if qh & _BIT[j + 16] else 0)
+            dst[o + j] = d * _f32(_i8(lo - 16))
+            dst[o + 16 + j] = d * _f32(_i8(hi - 16))
+
+
+@numba.njit(**_KERNEL)
+def _deq_q5_1(row, dst, n16):
+    # d f16, m f16, qh u32, qs[16]; value d * q + m
+    for i in range(row.shape[0] // 24):
+        p, o = i * 24, i * 32
+        d = _half(row[p], row[p + 1])
+        m = _half(row[p + 2], row[p + 3])
+        qh = _u32(row, p + 4)
+        for j in range(n16):
+            q = row[p + 8 + j]
+            lo = (q & 15) | (16 if qh & _BIT[j] else 0)
+            hi = (q >> 4) | (16 if qh & _BIT[j + 16] else 0)
+            dst[o + j] = d * _f32(_u8(lo)) + m
+            dst[o + 16 + j] = d * _f32(_u8(hi)) + m
+
+
+# The K-quant loops read each packed byte once and write every element made from it (four 2-bit or two 4-bit
+# fields), with constant shifts and masks: a shift by a loop variable stays in 64-bit lanes.
+
+
+@numba.njit(**_KERNEL)
+def _deq_q2_k(row, dst, n16):
+    # scales[16] (low nibble: scale, high: min, per group of 16), qs[64] (2 bits), d f16, dmin f16.
+    # Element h*128 + s*32 + l (h < 2, s < 4, l < 32) is bits 2s..2s+1 of qs[h*32 + l]; its group is element // 16.
+    for i in range(row.shape[0] // 84):
+        p, o = i * 84, i * 256
+        d = _half(row[p + 80], row[p + 81])
+        dmin = _half(row[p + 82], row[p + 83])
+        for h in range(2):
+            for g2 in range(2):
+                g = p + h * 8 + g2  # scale byte of shift s: row[g + 2s]
+                d0, m0 = d * _f32(_u8(row[g] & 15)), dmin * _f32(_u8(row[g] >> 4))
+                d1, m1 = d * _f32(_u8(row[g + 2] & 15)), dmin * _f32(_u8(row[g + 2] >> 4))
+                d2, m2 = d * _f32(_u8(row[g + 4] & 15)), dmin * _f32(_u8(row[g + 4] >> 4))
+                d3, m3 = d * _f32(_u8(row[g + 6] & 15)), dmin * _f32(_u8(row[g + 6] >> 4))
+                src = p + 16 + h * 32 + g2 * 16
+                e = o + h * 128 + g2 * 16
+                for l in range(n16):
+                    q = row[src + l]
+                    dst[e + l] = d0 * _f32(_u8(q & 3)) - m0
+                    dst[e + 32 + l] = d1 * _f32(_u8((q >> 2) & 3)) - m1
+                    dst[e + 64 + l] = d2 * _f32(_u8((q >> 4) & 3)) - m2
+                    dst[e + 96 + l] = d3 * _f32(_u8(q >> 6)) - m3
+
+
+@numba.njit(inline="always")
+def _q3_k_scale(row, p, k):
+    """Signed 6-bit scale k (< 16) of the Q3_K block at p: low 4 bits from scales[k] (k < 8) or scales[k-8] >> 4,
+    high 2 bits from scales[8 + k%4] >> 2*(k//4); scales start at byte 96."""
+    low = (np.int64(row[p + 96 + k]) & 15) if k < 8 else (np.int64(row[p + 88 + k]) >> 4)
+    high = (np.int64(row[p + 104 + (k & 3)]) >> (2 * (k >> 2))) & 3
+    return _f32(_i8((low | (high << 4)) - 32))
+
+
+@numba.njit(**_KERNEL)
+def _deq_q3_k(row, dst, n16):
+    # hmask[32], qs[64] (2 low bits, laid out as Q2_K), scales[12] (16 signed 6-bit scales), d f16.
+    # Element h*128 + s*32 + l has high bit (hmask[l] >> (4h + s)) & 1, and value d * scale * (low2 + 4*high - 4).
+    for i in range(row.shape[0] // 110):
+        p, o = i * 110, i * 256
+        d = _half(row[p + 108], row[p + 109])
+        for h in range(2):
+            for g2 in range(2):
+                k = h * 8 + g2  # scale of shift s: k + 2s
+                d0, d1 = d * _q3_k_scale(row, p, k), d * _q3_k_scale(row, p, k + 2)
+                d2, d3 = d * _q3_k_scale(row, p, k + 4), d * _q3_k_scale(row, p, k + 6)
+                bit = _u8(1 << (4 * h))  # hmask bit of shift 0
+                src = p + 32 + h * 32 + g2 * 16
+                msk = p + g2 * 16
+                e = o + h * 128 + g2 * 16
+                for l in range(n16):
+                    q, hm = row[src + l], row[msk + l]
+                    # low2 - 4 where the hmask bit is clear, low2 where it is set
+                    dst[e + l] = d0 * _f32(_i8((q & 3) - (0 if hm & bit else 4)))
+                    dst[e + 32 + l] = d1 * _f32(_i8(((q >> 2) & 3) - (0 if hm & (bit << 1) else 4)))
+                    dst[e + 64 + l] = d2 * _f32(_i8(((q >> 4) & 3) - (0 if hm & (bit << 2) else 4)))
+                    dst[e + 96 + l] = d3 * _f32(_i8((q >> 6) - (0 if hm & (bit << 3) else 4)))
+
+
+@numba.njit(inline="always")
+def _k_scale_min(row, p, sb):
+    """6-bit (scale, min) of sub-block sb from the 12 packed bytes at row[p:p+12] (Q4_K, Q5_K)."""
+    if sb < 4:
+        return np.int64(row[p + sb]) & 63, np.int64(row[p + 4 + sb]) & 63
+    t = sb - 4
+    lo, sc_hi, mn_hi = np.int64(row[p + 8 + t]), np.int64(row[p + t]), np.int64(row[p + 4 + t])
+    return (lo & 15) | ((sc_hi >> 2) & 48), (lo >> 4) | ((mn_hi >> 2) & 48)
+
+
+@numba.njit(**_KERNEL)
+def _deq_q4_k(row, dst, n16):
+    # d f16, dmin f16, scales[12] (8 x 6-bit scale and min), qs[128].
+    # Element c*64 + s*32 + l (c < 4, s < 2) is nibble s of qs[c*32 + l], in sub-block 2c + s; value d*sc*q - dmin*mn.
+    for i in range(row.shape[0] // 144):
+        p, o = i * 144, i * 256
+        d = _half(row[p], row[p + 1])
+        dmin = _half(row[p + 2], row[p + 3])
+        for c in range(4):
+            sc0, mn0 = _k_scale_min(row, p + 4, 2 * c)
+            sc1, mn1 = _k_scale_min(row, p + 4, 2 * c + 1)
+            d0, m0 = d * _f32(_u8(sc0)), dmin * _f32(_u8(mn0))
+            d1, m1 = d * _f32(_u8(sc1)), dmin * _f32(_u8(mn1))
+            src = p + 16 + c * 32
+            e = o + c * 64
+            for l in range(2 * n16):
+                q = row[src + l]
+                dst[e + l] = d0 * _f32(_u8(q & 15)) - m0
+                dst[e + 32 + l] = d1 * _f32(_u8(q >> 4)) - m1
+
+
+@numba.njit(**_KERNEL)
+def _deq_q5_k(row, dst, n16):
+    # d f16, dmin f16, scales[12], qh[32], qs[128]: Q4_K plus a 5th bit, (qh[l] >> sub-block) & 1.
+    for i in range(row.shape[0] // 176):
+        p, o = i * 176, i * 256
+        d = _half(row[p], row[p + 1])
+        dmin = _half(row[p + 2], row[p + 3])
+        for c in range(4):
+            sc0, mn0 = _k_scale_min(row, p + 4, 2 * c)
+            sc1, mn1 = _k_scale_min(row, p + 4, 2 * c + 1)
+            d0, m0 = d * _f32(_u8(sc0)), dmin * _f32(_u8(mn0))
+            d1, m1 = d * _f32(_u8(sc1)), dmin * _f32(_u8(mn1))
+            bit = _u8(1 << (2 * c))  # qh bit of sub-block 2c
+            src = p + 48 + c * 32
+            e = o + c * 64
+            for l in range(2 * n16):
+                q, qh = row[src + l], row[p + 16 + l]
+                dst[e + l] = d0 * _f32(_u8((q & 15) | (16 if qh & bit else 0))) - m0
+                dst[e + 32 + l] = d1 * _f32(_u8((q >> 4) | (16 if qh & (bit << 1) else 0))) - m1
+
+
+# Q6_K takes one 32-trip loop that picks the scale per lane (`first`): as two 16-trip loops, one per scale, LLVM
+# vectorized it with byte gathers (2.9 against 8.6 Gelem/s).
+@numba.njit(**_KERNEL)
+def _deq_q6_k(row, dst, n16):
+    # ql[128] (low 4 bits), qh[64] (high 2 bits), scales int8[16] (per group of 16), d f16; value d*scale*(q - 32).
+    # Element h*128 + t*32 + l (h < 2, t < 4, l < 32): low bits are nibble t//2 of ql[h*64 + (t%2)*32 + l],
+    # high bits are bits 2t..2t+1 of qh[h*32 + l].
+    for i in range(row.shape[0] // 210):
+        p, o = i * 210, i * 256
+        d = _half(row[p + 208], row[p + 209])
+        for h in range(2):
+            g = p + 192 + h * 8  # scale of t: row[g + 2t] for l < 16, row[g + 2t + 1] for l >= 16
+            da0, db0 = d * _f32(_i8(row[g])), d * _f32(_i8(row[g + 1]))
+            da1, db1 = d * _f32(_i8(row[g + 2])), d * _f32(_i8(row[g + 3]))
+            da2, db2 = d * _f32(_i8(row[g + 4])), d * _f32(_i8(row[g + 5]))
+            da3, db3 = d * _f32(_i8(row[g + 6])), d * _f32(_i8(row[g + 7]))
+            lo = p + h * 64
+            hi = p + 128 + h * 32
+            e = o + h * 128
+            for l in range(2 * n16):
+                first = l < n16
+                a, b, qh = row[lo + l], row[lo + 32 + l], row[hi + l]
+                dst[e + l] = (da0 if first else db0) * _f32(_i8(((a & 15) | ((qh & 3) << 4)) - 32))
+                dst[e + 32 + l] = (da1 if first else db1) * _f32(_i8(((b & 15) | ((qh & 12) << 2)) - 32))
+                dst[e + 64 + l] = (da2 if first else db2) * _f32(_i8(((a >> 4) | (qh & 48)) - 32))
+                dst[e + 96 + l] = (da3 if first else db3) * _f32(_i8(((b >> 4) | ((qh >> 2) & 48)) - 32))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Drivers. They take the ggml type id and pick the row dequantizer per row (`_deq_row`): a runtime switch keeps one
+# signature per driver, which numba caches on disk. (Passing the dequantizer itself as an argument compiles a
+# specialisation per type, but numba's cache cannot key it across processes, so every start recompiled it.)
+
+
+@numba.njit(**_KERNEL)
+def _deq_row(qtype, row, dst, n16):
+    if qtype == Q4_1:
+        _deq_q4_1(row, dst, n16)
+    elif qtype == Q8_0:
+        _deq_q8_0(row, dst, n16)
+    elif qtype == Q4_K:
+        _deq_q4_k(row, dst, n16)
+    elif qtype == Q6_K:
+        _deq_q6_k(row, dst, n16)
+    elif qtype == Q5_K:
+        _deq_q5_k(row, dst, n16)
+    elif qtype == Q4_0:
+        _deq_q4_0(row, dst, n16)
+    elif qtype == Q5_0:
+        _deq_q5_0(row, dst, n16)
+    elif qtype == Q5_1:
+        _deq_q5_1(row, dst, n16)
+    elif qtype == Q3_K:
+        _deq_q3_k(row, dst, n16)
+    elif qtype == Q2_K:
+        _deq_q2_k(row, dst, n16)
+    elif qtype == F16:
+        _deq_f16(row, dst, n16)
+    elif qtype == BF16:
+        _deq_bf16(row, dst, n16)
+
+
+@numba.njit(parallel=True, **_KERNEL)
+def _gemm_rows(qtype, data, x, out, n16):
+    """out[b, n] = dot(dequantized row n, x[b]) for all b: each row is unpacked once into an L1-resident scratch."""
+    n_rows = data.shape[0]
+    batch, k_dim = x.shape
+    for c in prange((n_rows + _ROW_CHUNK - 1) // _ROW_CHUNK):
+        w = np.empty(k_dim, dtype=np.float32)
+        for n in range(c * _ROW_CHUNK, min(n_rows, (c + 1) * _ROW_CHUNK)):
+            _deq_row(qtype, data[n], w, n16)
+            b = 0
+            # Four activation rows per pass over w: one load of w[k] feeds four FMAs.
+            while b + 4 <= batch:
+                x0, x1, x2, x3 = x[b], x[b + 1], x[b + 2], x[b + 3]
+                a0 = a1 = a2 = a3 = _f32(0)
+                for k in range(k_dim):
+                    wk = w[k]
+                    a0 += wk * x0[k]
+                    a1 += wk * x1[k]
+                    a2 += wk * x2[k]
+                    a3 += wk * x3[k]
+                out[b, n] = a0
+                out[b + 1, n] = a1
+                out[b + 2, n] = a2
+                out[b + 3, n] = a3
+                b += 4
+            while b < batch:
+                x0 = x[b]
+                a0 = _f32(0)
+                for k in range(k_dim):
+                    a0 += w[k] * x0[k]
+                out[b, n] = a0
+                b += 1
+
+
+@numba.njit(parallel=True, **_KERNEL)
+def _dequant_tile(qtype, data, r0, tile, n16):
+    """tile[r] = dequantized row r0 + r."""
+    for r in prange(tile.shape[0]):
+        _deq_row(qtype, data[r0 + r], tile[r], n16)
+
+
+@numba.njit(parallel=True, **_KERNEL)
+def _dequant_rows(qtype, data, ids, out, n16):
+    """out[r] = dequantized row ids[r] (ids already checked to be in range)."""
+    for r in prange(ids.shape[0]):
+        _deq_row(qtype, data[ids[r]], out[r], n16)
+
+
+# F32 goes to numpy; every other type has a branch in `_deq_row`.
+SUPPORTED_TYPES: frozenset[int] = frozenset({F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K})

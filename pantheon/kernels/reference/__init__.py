@@ -1,0 +1,1 @@
+"""Plain numpy reference implementations of the kernels, for tests and benchmarks."""

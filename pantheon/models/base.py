@@ -1,0 +1,36 @@
+"""What every architecture module provides, and the forward batch it consumes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class BatchRow:
+    """One sequence's share of a forward step: a prefill chunk or a single decode token.
+
+    `slot` indexes the sequence state pool the caller passes alongside the batch; `start_pos` is the number
+    of tokens that slot already holds. `logits` says which of this row's positions need output logits:
+    "last" (the next token is sampled), "all" (scoring / golden tests) or "none" (a prefill chunk that is not
+    the end of the prompt).
+    """
+
+    slot: int
+    tokens: np.ndarray  # int32 (n,)
+    start_pos: int
+    logits: str = "last"
+
+
+class Model(Protocol):
+    architecture: str
+    vocab_size: int
+    context_length: int
+
+    def new_state(self, n_slots: int, ctx_cap: int) -> Any:
+        """Allocate the per-slot sequence state (KV rings, SSM state) for n_slots sequences of ctx_cap tokens."""
+
+    def forward(self, state: Any, batch: list[BatchRow]) -> np.ndarray:
+        """Run one step; return float32 logits, one row per requested position, in batch order."""

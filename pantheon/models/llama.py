@@ -1,0 +1,214 @@
+"""The llama architecture (SmolLM2, Mistral, MiniCPM5 ... everything GGUF labels `llama`).
+
+x = embed(tokens)
+for each block:  x += Wo . attn(rope(Wq . norm(x)), rope(Wk . norm(x)), Wv . norm(x))
+                 x += Wdown . (silu(Wgate . norm(x)) * Wup . norm(x))
+logits = Wout . norm(x)          (Wout = token embeddings when output.weight is absent: tied)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from pantheon.errors import ModelLoadError
+from pantheon.io.gguf_file import GGUFFile
+from pantheon.models.base import BatchRow
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    n_layers: int
+    d_model: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    vocab_size: int
+    context_length: int
+    rope_dim: int
+    rope_base: float
+    rope_scale: float
+    rms_eps: float
+
+    @classmethod
+    def from_metadata(cls, meta: dict[str, Any], arch: str = "llama") -> "LlamaConfig":
+        def get(key: str, default: Any = None) -> Any:
+            value = meta.get(f"{arch}.{key}", default)
+            if value is None:
+                raise ModelLoadError(f"GGUF metadata lacks {arch}.{key}")
+            return value
+
+        d_model = int(get("embedding_length"))
+        n_heads = int(get("attention.head_count"))
+        head_dim = int(get("attention.key_length", d_model // n_heads))
+        vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens", []))
+        scale = meta.get(f"{arch}.rope.scaling.factor") if meta.get(f"{arch}.rope.scaling.type") == "linear" else None
+        return cls(
+            n_layers=int(get("block_count")),
+            d_model=d_model,
+            n_heads=n_heads,
+            n_kv_heads=int(get("attention.head_count_kv", n_heads)),
+            head_dim=head_dim,
+            ffn_dim=int(get("feed_forward_length")),
+            vocab_size=int(vocab),
+            context_length=int(get("context_length", 4096)),
+            rope_dim=int(get("rope.dimension_count", head_dim)),
+            rope_base=float(get("rope.freq_base", 10000.0)),
+            rope_scale=1.0 / float(scale) if scale else 1.0,
+            rms_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        )
+
+
+@dataclass
+class LlamaBlock:
+    attn_norm: np.ndarray
+    wq: Any
+    wk: Any
+    wv: Any
+    wo: Any
+    ffn_norm: np.ndarray
+    w_gate: Any
+    w_up: Any
+    w_down: Any
+
+
+@dataclass
+class KVState:
+    """Per-layer K and V for every slot: (n_slots, ctx_cap, n_kv_heads, head_dim) float32."""
+
+    k: list[np.ndarray]
+    v: list[np.ndarray]
+    ctx_cap: int
+
+    @property
+    def n_slots(self) -> int:
+        return self.k[0].shape[0] if self.k else 0
+
+
+class LlamaModel:
+    architecture = "llama"
+
+    def __init__(self, config: LlamaConfig, backend: Any, tok_embd: Any, blocks: list[LlamaBlock],
+                 output_norm: np.ndarray, output: Any) -> None:
+        self.config = config
+        self.backend = backend
+        self.tok_embd = tok_embd
+        self.blocks = blocks
+        self.output_norm = output_norm
+        self.output = output
+        self.vocab_size = config.vocab_size
+        self.context_length = config.context_length
+
+    @classmethod
+    def from_gguf(cls, gguf: GGUFFile, backend: Any) -> "LlamaModel":
+        cfg = LlamaConfig.from_metadata(gguf.metadata, gguf.architecture)
+
+        def need(name: str) -> str:
+            if name not in gguf.tensors:
+                raise ModelLoadError(f"{gguf.path}: missing tensor {name!r}")
+            return name
+
+        blocks = []
+        for i in range(cfg.n_layers):
+            p = f"blk.{i}."
+            blocks.append(LlamaBlock(
+                attn_norm=backend.vector(gguf, need(p + "attn_norm.weight")),
+                wq=backend.weight(gguf, need(p + "attn_q.weight")),
+                wk=backend.weight(gguf, need(p + "attn_k.weight")),
+                wv=backend.weight(gguf, need(p + "attn_v.weight")),
+                wo=backend.weight(gguf, need(p + "attn_output.weight")),
+                ffn_norm=backend.vector(gguf, need(p + "ffn_norm.weight")),
+                w_gate=backend.weight(gguf, need(p + "ffn_gate.weight")),
+                w_up=backend.weight(gguf, need(p + "ffn_up.weight")),
+                w_down=backend.weight(gguf, need(p + "ffn_down.weight")),
+            ))
+        tok_embd = backend.weight(gguf, need("token_embd.weight"))
+        output = backend.weight(gguf, "output.weight") if "output.weight" in gguf.tensors else tok_embd
+        model = cls(cfg, backend, tok_embd, blocks, backend.vector(gguf, need("output_norm.weight")), output)
+        model._check_shapes()
+        return model
+
+    def _check_shapes(self) -> None:
+        c = self.config
+        q_dim, kv_dim = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+        expected = {"wq": (q_dim, c.d_model), "wk": (kv_dim, c.d_model), "wv": (kv_dim, c.d_model),
+                    "wo": (c.d_model, q_dim), "w_gate": (c.ffn_dim, c.d_model), "w_up": (c.ffn_dim, c.d_model),
+                    "w_down": (c.d_model, c.ffn_dim)}
+        for i, block in enumerate(self.blocks):
+            for attr, shape in expected.items():
+                w = getattr(block, attr)
+                if (w.rows, w.cols) != shape:
+                    raise ModelLoadError(f"blk.{i}.{attr}: shape {(w.rows, w.cols)}, expected {shape}")
+        if self.output.cols != c.d_model or self.output.rows < c.vocab_size:
+            raise ModelLoadError(f"output weight shape {(self.output.rows, self.output.cols)} does not fit the config")
+
+    # -- state ---------------------------------------------------------------------------------------------
+    def new_state(self, n_slots: int, ctx_cap: int) -> KVState:
+        c, be = self.config, self.backend
+        shape = (n_slots, ctx_cap, c.n_kv_heads, c.head_dim)
+        return KVState(k=[be.zeros(shape) for _ in range(c.n_layers)],
+                       v=[be.zeros(shape) for _ in range(c.n_layers)], ctx_cap=ctx_cap)
+
+    def kv_bytes_per_token(self) -> int:
+        c = self.config
+        return 2 * c.n_layers * c.n_kv_heads * c.head_dim * 4
+
+    # -- forward -------------------------------------------------------------------------------------------
+    def forward(self, state: KVState, batch: list[BatchRow]) -> np.ndarray:
+        c, be = self.config, self.backend
+        be.begin_step()
+        for row in batch:
+            if row.start_pos + len(row.tokens) > state.ctx_cap:
+                raise ValueError(f"slot {row.slot}: {row.start_pos}+{len(row.tokens)} tokens exceed ctx {state.ctx_cap}")
+        tokens = np.concatenate([r.tokens for r in batch]).astype(np.int64)
+        positions = np.concatenate(
+            [np.arange(r.start_pos, r.start_pos + len(r.tokens), dtype=np.int32) for r in batch])
+        offsets = np.cumsum([0] + [len(r.tokens) for r in batch])
+        n_tok = tokens.size
+        decode_only = n_tok == len(batch)
+        slot_ids = np.array([r.slot for r in batch], dtype=np.int32)
+        scale = 1.0 / float(np.sqrt(c.head_dim))
+
+        x = be.embed(self.tok_embd, tokens)
+        h = be.rmsnorm(x, self.blocks[0].attn_norm, c.rms_eps)
+        for li, blk in enumerate(self.blocks):
+            q = be.matmul(blk.wq, h).reshape(n_tok, c.n_heads, c.head_dim)
+            k = be.matmul(blk.wk, h).reshape(n_tok, c.n_kv_heads, c.head_dim)
+            v = be.matmul(blk.wv, h).reshape(n_tok, c.n_kv_heads, c.head_dim)
+            be.rope_inplace(q, positions, c.rope_dim, c.rope_base, False, c.rope_scale)
+            be.rope_inplace(k, positions, c.rope_dim, c.rope_base, False, c.rope_scale)
+            k_pool, v_pool = state.k[li], state.v[li]
+            if decode_only:
+                # One token per sequence: one batched launch over (sequence, head).
+                k_pool[slot_ids, positions] = k
+                v_pool[slot_ids, positions] = v
+                attn = be.attention_decode_batch(q, k_pool, v_pool, positions, scale, slot_ids=slot_ids)
+            else:
+                attn = np.empty((n_tok, c.n_heads, c.head_dim), dtype=np.float32)
+                for ri, row in enumerate(batch):
+                    a, b = offsets[ri], offsets[ri + 1]
+                    k_pool[row.slot, row.start_pos : row.start_pos + b - a] = k[a:b]
+                    v_pool[row.slot, row.start_pos : row.start_pos + b - a] = v[a:b]
+                    attn[a:b] = be.attention(q[a:b], k_pool[row.slot], v_pool[row.slot], row.start_pos, scale)
+            o = be.matmul(blk.wo, attn.reshape(n_tok, c.n_heads * c.head_dim))
+            be.add_rmsnorm(x, o, blk.ffn_norm, c.rms_eps, h)
+            ff = be.swiglu(be.matmul(blk.w_gate, h), be.matmul(blk.w_up, h))
+            d = be.matmul(blk.w_down, ff)
+            next_norm = self.blocks[li + 1].attn_norm if li + 1 < len(self.blocks) else self.output_norm
+            be.add_rmsnorm(x, d, next_norm, c.rms_eps, h)
+
+        # h now holds output_norm(x) for every position; keep only the rows that need logits.
+        wanted = []
+        for ri, row in enumerate(batch):
+            a, b = offsets[ri], offsets[ri + 1]
+            if row.logits == "all":
+                wanted.extend(range(a, b))
+            elif row.logits == "last":
+                wanted.append(b - 1)
+        if not wanted:
+            return np.empty((0, c.vocab_size), dtype=np.float32)
+        rows = h if len(wanted) == n_tok else np.ascontiguousarray(h[wanted])
+        return be.matmul(self.output, rows)[:, : c.vocab_size]

@@ -1,0 +1,22 @@
+"""Architecture name -> model class. An unknown architecture is a load error naming it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pantheon.errors import ModelLoadError
+from pantheon.io.gguf_file import GGUFFile
+from pantheon.models.llama import LlamaModel
+
+ARCHITECTURES: dict[str, Any] = {
+    "llama": LlamaModel,
+}
+
+
+def load_model(gguf: GGUFFile, backend: Any) -> Any:
+    arch = gguf.architecture
+    cls = ARCHITECTURES.get(arch)
+    if cls is None:
+        raise ModelLoadError(
+            f"{gguf.path}: unsupported architecture {arch!r} (supported: {', '.join(sorted(ARCHITECTURES))})")
+    return cls.from_gguf(gguf, backend)

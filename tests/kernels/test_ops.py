@@ -1,0 +1,272 @@
+"""The numba CPU kernels in pantheon.kernels.cpu.ops against the numpy references, on random inputs.
+
+Cache rows that an op must not read are filled with NaN, so a read past the causal edge shows up as NaN in
+the output instead of as a small error that a tolerance could hide.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import pytest
+
+from pantheon.kernels.cpu import ops
+from pantheon.kernels.reference import ops as ref
+
+TOKEN_COUNTS = [1, 5, 64, 130]
+HEAD_LAYOUTS = [(9, 3), (4, 4), (8, 1)]  # (query heads, kv heads)
+HEAD_DIMS = [64, 32]
+
+
+def random(rng: np.random.Generator, shape, scale: float = 1.0) -> np.ndarray:
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+def assert_close(actual: np.ndarray, expected: np.ndarray, rel: float = 1e-4) -> None:
+    """Max abs difference within `rel` of the output scale (NaN anywhere fails)."""
+    assert actual.shape == expected.shape
+    scale = float(np.max(np.abs(expected)))
+    err = float(np.max(np.abs(actual.astype(np.float64) - expected)))
+    assert err <= rel * scale, f"max abs diff {err:.3g} > {rel} * output scale {scale:.3g}"
+
+
+def kv_cache(rng, ctx: int, n_kv_heads: int, head_dim: int, n_valid: int) -> tuple[np.ndarray, np.ndarray]:
+    """(ctx, Hkv, hd) K and V caches: random rows below n_valid, NaN garbage from there on."""
+    k = random(rng, (ctx, n_kv_heads, head_dim))
+    v = random(rng, (ctx, n_kv_heads, head_dim))
+    k[n_valid:] = np.nan
+    v[n_valid:] = np.nan
+    return k, v
+
+
+# --- rmsnorm -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n_tokens", TOKEN_COUNTS)
+@pytest.mark.parametrize("dim", [576, 64])
+def test_rmsnorm_matches_reference(n_tokens, dim):
+    rng = np.random.default_rng(n_tokens * 1000 + dim)
+    x = random(rng, (n_tokens, dim), scale=3.0)
+    weight = random(rng, dim)
+    expected = ref.rmsnorm(x, weight, 1e-5)
+    assert_close(ops.rmsnorm(x, weight, 1e-5), expected)
+    out = np.empty_like(x)
+    assert ops.rmsnorm(x, weight, 1e-5, out=out) is out
+    assert_close(out, expected)
+    ops.rmsnorm(x, weight, 1e-5, out=x)  # in place
+    assert_close(x, expected)
+
+
+@pytest.mark.parametrize("n_tokens", TOKEN_COUNTS)
+def test_add_rmsnorm_updates_residual_and_normalizes(n_tokens):
+    rng = np.random.default_rng(n_tokens)
+    residual = random(rng, (n_tokens, 576), scale=5.0)
+    delta = random(rng, (n_tokens, 576))
+    weight = random(rng, 576)
+    expected_residual, expected_out = ref.add_rmsnorm(residual, delta, weight, 1e-6)
+    out = np.empty_like(residual)
+    ops.add_rmsnorm(residual, delta, weight, 1e-6, out)
+    np.testing.assert_array_equal(residual, expected_residual)  # a float32 add is exact either way
+    assert_close(out, expected_out)
+
+
+# --- rope ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n_tokens", TOKEN_COUNTS)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("partial", [False, True])
+@pytest.mark.parametrize("neox", [False, True])
+def test_rope_matches_reference(n_tokens, head_dim, partial, neox):
+    rng = np.random.default_rng(n_tokens * 100 + head_dim + 7 * partial + 3 * neox)
+    n_rot = head_dim // 2 if partial else head_dim
+    x = random(rng, (n_tokens, 5, head_dim))
+    # mostly large positions, where a float32 angle would already be visibly off
+    positions = rng.integers(0, 6000, n_tokens).astype(np.int32)
+    positions[0] = 5000
+    expected = ref.rope(x, positions, n_rot, 10000.0, neox)
+    rotated = x.copy()
+    ops.rope_inplace(rotated, positions, n_rot, 10000.0, neox)
+    assert_close(rotated, expected)
+    np.testing.assert_array_equal(rotated[..., n_rot:], x[..., n_rot:])
+
+
+@pytest.mark.parametrize("neox", [False, True])
+def test_rope_freq_base_and_scale(neox):
+    rng = np.random.default_rng(11)
+    x = random(rng, (64, 3, 64))
+    positions = (np.arange(64) * 97 + 5000).astype(np.int32)
+    expected = ref.rope(x, positions, 48, 1_000_000.0, neox, freq_scale=0.25)
+    ops.rope_inplace(x, positions, 48, 1_000_000.0, neox, freq_scale=0.25)
+    assert_close(x, expected)
+
+
+def test_rope_position_zero_is_identity():
+    rng = np.random.default_rng(12)
+    x = random(rng, (3, 4, 64))
+    rotated = x.copy()
+    ops.rope_inplace(rotated, np.zeros(3, dtype=np.int32), 64, 10000.0, False)
+    np.testing.assert_array_equal(rotated, x)
+
+
+def test_rope_rejects_odd_or_oversized_n_rot():
+    x = np.ones((1, 1, 32), dtype=np.float32)
+    positions = np.zeros(1, dtype=np.int32)
+    for n_rot in (31, 34, 0):
+        with pytest.raises(ValueError):
+            ops.rope_inplace(x, positions, n_rot, 10000.0, False)
+
+
+# --- swiglu --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n_tokens", TOKEN_COUNTS)
+def test_swiglu_matches_reference(n_tokens):
+    rng = np.random.default_rng(n_tokens + 50)
+    gate = random(rng, (n_tokens, 1536), scale=4.0)
+    up = random(rng, (n_tokens, 1536))
+    expected = ref.swiglu(gate, up)
+    assert_close(ops.swiglu(gate, up), expected)
+    ops.swiglu(gate, up, out=gate)  # in place over the gate
+    assert_close(gate, expected)
+
+
+def test_swiglu_saturates_cleanly():
+    gate = np.linspace(-120.0, 120.0, 2 * 1536, dtype=np.float32).reshape(2, 1536)
+    up = np.random.default_rng(3).standard_normal((2, 1536)).astype(np.float32)
+    result = ops.swiglu(gate, up)
+    assert np.all(np.isfinite(result))
+    assert_close(result, ref.swiglu(gate, up))
+
+
+# --- attention -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n_tokens", TOKEN_COUNTS)
+@pytest.mark.parametrize("heads", HEAD_LAYOUTS)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("start_pos", [0, 17])
+def test_attention_matches_reference(n_tokens, heads, head_dim, start_pos):
+    n_q_heads, n_kv_heads = heads
+    rng = np.random.default_rng(n_tokens * 7919 + n_q_heads * 31 + head_dim + start_pos)
+    n_valid = start_pos + n_tokens
+    k, v = kv_cache(rng, n_valid + 23, n_kv_heads, head_dim, n_valid)
+    q = random(rng, (n_tokens, n_q_heads, head_dim))
+    scale = head_dim**-0.5
+    expected = ref.attention(q, k, v, start_pos, scale)
+    assert_close(ops.attention(q, k, v, start_pos, scale), expected)
+    out = np.empty_like(q)
+    assert ops.attention(q, k, v, start_pos, scale, out=out) is out
+    assert_close(out, expected)
+
+
+def test_attention_peaked_scores():
+    # Scores spread over hundreds of units: the running max is replaced many times, and most weights
+    # underflow to zero. Checks the rescaling of the accumulator.
+    rng = np.random.default_rng(5)
+    k, v = kv_cache(rng, 300, 2, 64, 260)
+    q = random(rng, (130, 4, 64), scale=30.0)
+    expected = ref.attention(q, k, v, 130, 0.125)
+    assert_close(ops.attention(q, k, v, 130, 0.125), expected)
+    ops.attention(q, k, v, 130, 0.125, out=q)  # writing over the queries is allowed
+    assert_close(q, expected)
+
+
+def test_attention_long_prompt():
+    rng = np.random.default_rng(6)
+    k, v = kv_cache(rng, 1100, 1, 64, 1030)
+    q = random(rng, (1000, 2, 64))
+    assert_close(ops.attention(q, k, v, 30, 0.125), ref.attention(q, k, v, 30, 0.125))
+
+
+@pytest.mark.parametrize("heads", HEAD_LAYOUTS)
+def test_prefill_equals_token_by_token(heads):
+    n_q_heads, n_kv_heads = heads
+    rng = np.random.default_rng(n_q_heads)
+    n_tokens, start_pos = 70, 17
+    k, v = kv_cache(rng, 128, n_kv_heads, 64, start_pos + n_tokens)
+    q = random(rng, (n_tokens, n_q_heads, 64))
+    at_once = ops.attention(q, k, v, start_pos, 0.125)
+    one_by_one = np.concatenate(
+        [ops.attention(q[t : t + 1], k, v, start_pos + t, 0.125) for t in range(n_tokens)]
+    )
+    assert_close(one_by_one, at_once, rel=1e-5)
+    bounds = [0, 7, 23, 40, n_tokens]  # uneven chunks, as a chunked prefill would send them
+    chunked = np.concatenate(
+        [ops.attention(q[a:b], k, v, start_pos + a, 0.125) for a, b in zip(bounds, bounds[1:])]
+    )
+    assert_close(chunked, at_once, rel=1e-5)
+
+
+def test_attention_rejects_rows_past_the_cache():
+    q = np.ones((5, 4, 32), dtype=np.float32)
+    k = np.ones((20, 2, 32), dtype=np.float32)
+    with pytest.raises(ValueError):
+        ops.attention(q, k, k, 16, 0.1)
+    three_kv_heads = np.ones((20, 3, 32), dtype=np.float32)  # 4 query heads do not split into 3 groups
+    with pytest.raises(ValueError):
+        ops.attention(q, three_kv_heads, three_kv_heads, 0, 0.1)
+
+
+# --- attention_decode_batch ----------------------------------------------------------------------------
+
+
+def stacked_caches(rng, positions, slot_ids, n_slots, ctx, n_kv_heads, head_dim):
+    """(S, ctx, Hkv, hd) caches: each used slot valid up to its sequence's position, NaN elsewhere."""
+    k_all = np.full((n_slots, ctx, n_kv_heads, head_dim), np.nan, dtype=np.float32)
+    v_all = np.full_like(k_all, np.nan)
+    for slot, pos in zip(slot_ids, positions):
+        k_all[slot], v_all[slot] = kv_cache(rng, ctx, n_kv_heads, head_dim, pos + 1)
+    return k_all, v_all
+
+
+@pytest.mark.parametrize("heads", HEAD_LAYOUTS)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_decode_batch_equals_per_sequence_attention(heads, head_dim):
+    n_q_heads, n_kv_heads = heads
+    rng = np.random.default_rng(n_q_heads * 10 + head_dim)
+    positions = np.array([0, 17, 300, 5, 130], dtype=np.int32)
+    slot_ids = np.array([6, 0, 3, 7, 2], dtype=np.int32)
+    k_all, v_all = stacked_caches(rng, positions, slot_ids, 8, 320, n_kv_heads, head_dim)
+    q = random(rng, (len(positions), n_q_heads, head_dim))
+    scale = head_dim**-0.5
+    batched = ops.attention_decode_batch(q, k_all, v_all, positions, scale, slot_ids=slot_ids)
+    for b, (slot, pos) in enumerate(zip(slot_ids, positions)):
+        single = ops.attention(q[b : b + 1], k_all[slot], v_all[slot], int(pos), scale)
+        assert_close(batched[b : b + 1], single, rel=1e-6)
+        expected = ref.attention(q[b : b + 1], k_all[slot], v_all[slot], int(pos), scale)
+        assert_close(batched[b : b + 1], expected)
+
+
+def test_decode_batch_default_slots_and_out():
+    rng = np.random.default_rng(21)
+    positions = np.array([3, 40], dtype=np.int32)
+    k_all, v_all = stacked_caches(rng, positions, [0, 1], 2, 64, 3, 64)
+    q = random(rng, (2, 9, 64))
+    out = np.empty_like(q)
+    assert ops.attention_decode_batch(q, k_all, v_all, positions, 0.125, out) is out
+    for b in range(2):
+        expected = ref.attention(q[b : b + 1], k_all[b], v_all[b], int(positions[b]), 0.125)
+        assert_close(out[b : b + 1], expected)
+
+
+def test_decode_batch_rejects_bad_input():
+    q = np.ones((2, 4, 32), dtype=np.float32)
+    k_all = np.ones((3, 16, 2, 32), dtype=np.float32)
+    positions = np.array([1, 2], dtype=np.int32)
+    with pytest.raises(TypeError):
+        ops.attention_decode_batch(q, [k_all[0], k_all[1]], [k_all[0], k_all[1]], positions, 0.1)
+    with pytest.raises(ValueError):
+        ops.attention_decode_batch(q, k_all, k_all, positions, 0.1, slot_ids=np.array([0, 3], dtype=np.int32))
+    with pytest.raises(ValueError):
+        ops.attention_decode_batch(q, k_all, k_all, np.array([1, 16], dtype=np.int32), 0.1)
+
+
+# --- kernel properties ---------------------------------------------------------------------------------
+
+
+def test_every_kernel_releases_the_gil():
+    kernels = [value for value in vars(ops).values() if isinstance(value, numba.core.registry.CPUDispatcher)]
+    assert len(kernels) >= 10
+    for kernel in kernels:
+        assert kernel.targetoptions.get("nogil"), kernel.py_func.__name__

@@ -1,0 +1,78 @@
+"""End to end on the default model: a real server process, httpx and the official openai client."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import orjson
+import pytest
+
+from tests.server_process import ServerProcess
+
+pytestmark = pytest.mark.slow
+
+CHAT = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 24,
+        "temperature": 0}
+
+
+def test_health(smollm_server: ServerProcess) -> None:
+    r = httpx.get(smollm_server.base_url + "/")
+    assert r.status_code == 200
+    body = r.json()
+    assert body["service"] == "pantheon" and body["status"] == "ok"
+    assert body["backend"] == "cpu" and body["accelerator"] is False and body["dies_visible"] == 0
+    assert isinstance(body["build"], str) and body["build"]
+    assert r.headers["access-control-allow-origin"] == "*" and r.headers["connection"] == "close"
+
+
+def test_models_lists_the_default_model(smollm_server: ServerProcess) -> None:
+    body = httpx.get(smollm_server.base_url + "/v1/models").json()
+    assert body["object"] == "list" and body["backend"] == "cpu"
+    (entry,) = body["data"]
+    assert entry["id"] == "SmolLM2-135M-Instruct" and entry["object"] == "model"
+    assert entry["owned_by"] == "pantheon" and entry["max_sessions"] == 4
+    assert entry["context_window"] == entry["context_length"] == entry["max_model_len"] == 8192
+    assert "graphs" not in entry and "attention" not in entry
+
+
+def test_chat_completion_answers_sensibly(smollm_server: ServerProcess) -> None:
+    r = httpx.post(smollm_server.base_url + "/v1/chat/completions", json=CHAT, timeout=120)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+    choice = body["choices"][0]
+    assert choice["message"]["role"] == "assistant"
+    assert "Paris" in choice["message"]["content"]
+    assert choice["finish_reason"] in {"stop", "length"}
+    usage = body["usage"]
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert usage["prompt_tokens_details"] == {"cached_tokens": 0}
+
+
+def test_streaming_matches_non_streaming(smollm_server: ServerProcess) -> None:
+    plain = httpx.post(smollm_server.base_url + "/v1/chat/completions", json=CHAT, timeout=120).json()
+    chunks = []
+    with httpx.stream("POST", smollm_server.base_url + "/v1/chat/completions", json={**CHAT, "stream": True},
+                      timeout=120) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                chunks.append(line[6:])
+    assert chunks[-1] == "[DONE]"
+    events = [orjson.loads(c) for c in chunks[:-1]]
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events)
+    assert text == plain["choices"][0]["message"]["content"]
+    assert events[-1]["choices"][0]["finish_reason"] == plain["choices"][0]["finish_reason"]
+
+
+def test_openai_client_streaming_and_not(smollm_server: ServerProcess) -> None:
+    client = openai.OpenAI(base_url=smollm_server.base_url + "/v1", api_key="unused")
+    reply = client.chat.completions.create(model="SmolLM2-135M-Instruct", temperature=0, max_tokens=24,
+                                           messages=[{"role": "user", "content": "What is the capital of France?"}])
+    assert "Paris" in reply.choices[0].message.content
+    pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model="anything", temperature=0, max_tokens=24, stream=True,
+        messages=[{"role": "user", "content": "What is the capital of France?"}]) if c.choices]
+    assert "".join(pieces) == reply.choices[0].message.content

@@ -1,0 +1,89 @@
+"""Request parsing: defaults, aliases, clamps, precedence and validation errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from pantheon.chat.request import parse_chat_request
+from pantheon.errors import ApiError
+
+MSG = [{"role": "user", "content": "hi"}]
+
+
+def parse(**body: object):
+    return parse_chat_request({"messages": MSG, **body})
+
+
+def test_defaults_match_the_spec() -> None:
+    r = parse()
+    assert (r.temperature, r.top_p, r.top_k, r.max_tokens, r.n, r.stream) == (0.7, 0.95, 40, 1024, 1, False)
+    assert r.stop == [] and r.logit_bias == {} and r.session_id is None and r.tool_choice == "auto"
+
+
+@pytest.mark.parametrize("value,expected", [(0, 512), (-5, 512), (10, 10), (10**9, 1048576)])
+def test_max_tokens_defaults_and_clamp(value: int, expected: int) -> None:
+    assert parse(max_tokens=value).max_tokens == expected
+
+
+def test_max_tokens_wins_over_max_completion_tokens() -> None:
+    assert parse(max_tokens=5, max_completion_tokens=9).max_tokens == 5
+    assert parse(max_completion_tokens=9).max_tokens == 9
+
+
+def test_penalties_and_logprobs_are_clamped() -> None:
+    r = parse(presence_penalty=5, frequency_penalty=-7, top_logprobs=99, logprobs=True)
+    assert (r.presence_penalty, r.frequency_penalty, r.top_logprobs) == (2.0, -2.0, 20)
+
+
+def test_logit_bias_clamps_and_skips_non_numeric() -> None:
+    r = parse(logit_bias={"5": 500, "x": 1, "7": "a", "9": -3.5})
+    assert r.logit_bias == {5: 100.0, 9: -3.5}
+
+
+def test_n_is_capped_to_8() -> None:
+    r = parse(n=20)
+    assert r.n == 8 and r.n_capped
+
+
+def test_stop_accepts_string_or_array() -> None:
+    assert parse(stop="END").stop == ["END"]
+    assert parse(stop=["a", "b"]).stop == ["a", "b"]
+
+
+def test_session_key_precedence() -> None:
+    body = {"messages": MSG, "prompt_cache_key": "p", "promptCacheKey": "c"}
+    assert parse_chat_request(body, header_session="h").session_id == "p"
+    assert parse_chat_request({"messages": MSG, "promptCacheKey": "c"}, header_session="h").session_id == "c"
+    assert parse_chat_request({"messages": MSG}, header_session="h").session_id == "h"
+    assert parse_chat_request({**body, "session_id": "s"}).session_id == "s"
+
+
+def test_message_content_forms() -> None:
+    r = parse_chat_request({"messages": [
+        {"content": "no role"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {}},
+                                     {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": 42, "reasoning": "thought"},
+    ]})
+    assert [(m.role, m.content) for m in r.messages] == [("user", "no role"), ("user", "ab"), ("assistant", "")]
+    assert r.messages[2].reasoning_content == "thought"
+
+
+def test_stream_options_include_usage() -> None:
+    assert parse(stream=True, stream_options={"include_usage": True}).include_usage
+
+
+def test_reasoning_budget_alias() -> None:
+    assert parse(max_reasoning_tokens=7).reasoning_budget == 7
+    assert parse(reasoning_budget=3, max_reasoning_tokens=7).reasoning_budget == 3
+
+
+@pytest.mark.parametrize("body", [
+    [], "x", {}, {"messages": []}, {"messages": "hi"}, {"messages": [1]},
+    {"messages": MSG, "temperature": "hot"}, {"messages": MSG, "max_tokens": "many"},
+    {"messages": MSG, "stop": 5}, {"messages": MSG, "stream": "yes"}, {"messages": MSG, "model": 3},
+])
+def test_invalid_bodies_are_400(body: object) -> None:
+    with pytest.raises(ApiError) as info:
+        parse_chat_request(body)
+    assert info.value.status == 400 and info.value.error_type == "invalid_request_error"

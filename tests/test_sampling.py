@@ -1,0 +1,82 @@
+"""Sampling: greedy, seeded reproducibility, top-k/top-p truncation, bias, penalties, logprobs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pantheon.engine.sampling import Sampler, SamplingParams
+
+V = 1000
+
+
+def logits(seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).normal(size=V).astype(np.float32) * 3
+
+
+def test_greedy_is_argmax() -> None:
+    x = logits()
+    s = Sampler(SamplingParams(temperature=0.0), V)
+    assert s.sample(x).token_id == int(np.argmax(x))
+
+
+def test_seeded_sampling_reproduces_and_seeds_differ() -> None:
+    x = logits()
+    p = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, seed=42)
+    a = [Sampler(p, V).sample(x).token_id for _ in range(1)]
+    s1, s2 = Sampler(p, V), Sampler(p, V)
+    seq1 = [s1.sample(x).token_id for _ in range(50)]
+    seq2 = [s2.sample(x).token_id for _ in range(50)]
+    assert seq1 == seq2 and a[0] == seq1[0]
+    s3 = Sampler(SamplingParams(temperature=1.0, top_k=0, top_p=1.0, seed=43), V)
+    assert [s3.sample(x).token_id for _ in range(50)] != seq1
+
+
+def test_top_k_restricts_to_the_k_best() -> None:
+    x = logits(1)
+    best = set(np.argsort(-x)[:3].tolist())
+    s = Sampler(SamplingParams(temperature=5.0, top_k=3, top_p=1.0, seed=0), V)
+    assert {s.sample(x).token_id for _ in range(200)} <= best
+
+
+def test_top_p_keeps_the_nucleus() -> None:
+    x = np.full(V, -10.0, np.float32)
+    x[7], x[8] = 10.0, 9.0  # ~0.73 / ~0.27 of the mass
+    s = Sampler(SamplingParams(temperature=1.0, top_k=0, top_p=0.5, seed=0), V)
+    assert {s.sample(x).token_id for _ in range(100)} == {7}
+
+
+def test_logit_bias_forces_and_forbids() -> None:
+    x = logits(2)
+    target = int(np.argmin(x))
+    forced = Sampler(SamplingParams(temperature=0.0, logit_bias={target: 100.0}), V)
+    assert forced.sample(x).token_id == target
+    top = int(np.argmax(x))
+    banned = Sampler(SamplingParams(temperature=0.0, logit_bias={top: -100.0}), V)
+    assert banned.sample(x).token_id != top
+
+
+def test_frequency_penalty_discourages_repeats() -> None:
+    x = np.zeros(V, np.float32)
+    x[5], x[6] = 1.0, 0.9
+    s = Sampler(SamplingParams(temperature=0.0, frequency_penalty=2.0), V)
+    assert [s.sample(x).token_id for _ in range(2)] == [5, 6]
+
+
+def test_logprobs_are_normalized_and_ordered() -> None:
+    x = logits(3)
+    s = Sampler(SamplingParams(temperature=0.0, top_logprobs=5), V)
+    t = s.sample(x)
+    ref = x.astype(np.float64) - np.log(np.exp(x.astype(np.float64)).sum())
+    assert t.logprob == pytest.approx(ref[t.token_id], abs=1e-4)
+    assert [tid for tid, _ in t.top_logprobs] == np.argsort(-x)[:5].tolist()
+    lps = [lp for _, lp in t.top_logprobs]
+    assert lps == sorted(lps, reverse=True)
+
+
+def test_mask_limits_choices() -> None:
+    x = logits(4)
+    mask = np.zeros(V, bool)
+    mask[[10, 20]] = True
+    s = Sampler(SamplingParams(temperature=0.0), V)
+    assert s.sample(x, mask).token_id == (10 if x[10] > x[20] else 20)
