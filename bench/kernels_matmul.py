@@ -7,7 +7,7 @@ bytes). Weights come from the real model file when it exists (tensors of block 0
     .venv/bin/python bench/kernels_matmul.py                    # real Q4_1 / Q8_0 tensors, default thread count
     .venv/bin/python bench/kernels_matmul.py --threads 1
     .venv/bin/python bench/kernels_matmul.py --types Q4_K,Q6_K  # random weights of other types, same shapes
-    .venv/bin/python bench/kernels_matmul.py --sweep            # rows kernel vs tiles+BLAS around TILE_MIN_BATCH
+    NUMBA_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 .venv/bin/python bench/kernels_matmul.py --cpu-time   # on a busy box
 """
 
 from __future__ import annotations
@@ -36,19 +36,22 @@ SHAPES = [
 BATCHES = (1, 8, 64, 512)
 
 
+CLOCK = time.perf_counter
+
+
 def time_call(fn, min_seconds: float = 0.2, repeats: int = 5) -> float:
     """Median seconds per call over `repeats` runs of enough calls to last min_seconds / repeats each."""
     fn()
-    start = time.perf_counter()
+    start = CLOCK()
     fn()
-    once = max(time.perf_counter() - start, 1e-6)
+    once = max(CLOCK() - start, 1e-6)
     calls = max(1, int(min_seconds / repeats / once))
     samples = []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = CLOCK()
         for _ in range(calls):
             fn()
-        samples.append((time.perf_counter() - start) / calls)
+        samples.append((CLOCK() - start) / calls)
     return statistics.median(samples)
 
 
@@ -67,12 +70,16 @@ def load_weights(types: list[int] | None, rng: np.random.Generator) -> list[tupl
             qt = quant.Q8_0 if name == "token_embd.weight" and types is None else qtype
             if cols % GGML_QUANT_SIZES[GGMLQuantizationType(qt)][0]:
                 continue
-            weights.append((name, quant.prepare_weight(reference.random_weight_bytes(qt, rows, cols, rng), qt, rows, cols)))
+            raw = reference.random_weight_bytes(qt, rows, cols, rng)
+            weights.append((name, quant.prepare_weight(raw, qt, rows, cols)))
     return weights
 
 
 def bench_matmul(weights, batches, rng) -> None:
-    print(f"{'tensor':24s} {'type':5s} {'N x K':>11s} {'B':>4s} {'ms':>8s} {'GB/s':>7s} {'np ms':>8s} {'np GB/s':>7s} {'np/ours':>7s}")
+    print(
+        f"{'tensor':24s} {'type':5s} {'N x K':>11s} {'B':>4s} {'ms':>8s} {'GB/s':>7s} "
+        f"{'np ms':>8s} {'np GB/s':>7s} {'np/ours':>7s}"
+    )
     for name, w in weights:
         dense = reference.dequantize(w.qtype, w.data)
         for batch in batches:
@@ -85,24 +92,11 @@ def bench_matmul(weights, batches, rng) -> None:
             assert err < 1e-4, f"{name} B={batch}: relative error {err:.2e}"
             print(
                 f"{name:24s} {GGMLQuantizationType(w.qtype).name:5s} {w.rows:5d}x{w.cols:<5d} {batch:4d} "
-                f"{t_ours * 1e3:8.3f} {w.nbytes / t_ours / 1e9:7.2f} {t_np * 1e3:8.3f} {dense.nbytes / t_np / 1e9:7.2f} "
+                f"{t_ours * 1e3:8.3f} {w.nbytes / t_ours / 1e9:7.2f} "
+                f"{t_np * 1e3:8.3f} {dense.nbytes / t_np / 1e9:7.2f} "
                 f"{t_np / t_ours:7.2f}",
                 flush=True,
             )
-
-
-def sweep_threshold(weights, rng) -> None:
-    """ms per call of each path for batches around TILE_MIN_BATCH."""
-    print(f"{'tensor':24s} {'B':>4s} {'rows ms':>8s} {'tiles ms':>8s}")
-    for name, w in weights:
-        if w.rows > 4096:
-            continue
-        for batch in (4, 8, 12, 16, 20, 24, 32, 48, 64, 512):
-            x = rng.standard_normal((batch, w.cols)).astype(np.float32)
-            out = np.empty((batch, w.rows), dtype=np.float32)
-            t_rows = time_call(lambda: quant._gemm_rows(w.qtype, w.data, x, out, quant._N16))
-            t_tiles = time_call(lambda: quant._gemm_tiles(w, x, out))
-            print(f"{name:24s} {batch:4d} {t_rows * 1e3:8.3f} {t_tiles * 1e3:8.3f}", flush=True)
 
 
 def main() -> None:
@@ -110,8 +104,16 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="numba threads (default: numba's)")
     parser.add_argument("--types", default=None, help="comma-separated ggml type names: random weights of these types")
     parser.add_argument("--batches", default=",".join(map(str, BATCHES)))
-    parser.add_argument("--sweep", action="store_true", help="time both paths around TILE_MIN_BATCH instead")
+    parser.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="time with this thread's CPU clock: steady on a busy machine, only meaningful with NUMBA_NUM_THREADS=1 "
+        "OPENBLAS_NUM_THREADS=1",
+    )
     args = parser.parse_args()
+    if args.cpu_time:
+        global CLOCK
+        CLOCK = time.thread_time
     if args.threads:
         numba.set_num_threads(args.threads)
     rng = np.random.default_rng(0)
@@ -120,12 +122,9 @@ def main() -> None:
     print(
         f"numba {numba.__version__}, {numba.get_num_threads()} threads ({numba.config.THREADING_LAYER}), "
         f"numpy {np.__version__}, OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', 'unset')}, "
-        f"TILE_MIN_BATCH={quant.TILE_MIN_BATCH}"
+        f"clock={'thread CPU' if args.cpu_time else 'wall'}"
     )
-    if args.sweep:
-        sweep_threshold(weights, rng)
-    else:
-        bench_matmul(weights, [int(b) for b in args.batches.split(",")], rng)
+    bench_matmul(weights, [int(b) for b in args.batches.split(",")], rng)
 
 
 if __name__ == "__main__":

@@ -42,6 +42,8 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--reasoning-budget", type=int, default=0, help="force </think> after N reasoning tokens")
     serve.add_argument("--threads", type=int, default=0, help="compute threads (default: the cores available)")
     serve.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight turns get at shutdown")
+    serve.add_argument("--session-dir", type=Path, default=None,
+                       help="save live sessions here at shutdown and restore them at start")
     serve.add_argument("--log-level", default="INFO")
 
     sub.add_parser("pull", help="download the default model into $PANTHEON_HOME")
@@ -72,7 +74,7 @@ def _serve(args: argparse.Namespace) -> int:
             print(f"pantheon: model file not found: {m.path}", file=sys.stderr)
             return 1
     options = ServeOptions(host=args.host, port=args.port, models=models, threads=args.threads,
-                           drain_timeout_s=args.drain_timeout, env=env)
+                           drain_timeout_s=args.drain_timeout, session_dir=args.session_dir, env=env)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from pantheon.errors import ModelLoadError
 

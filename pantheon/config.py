@@ -56,6 +56,14 @@ class EnvKnobs:
     queue_depth: int = 32
     batch_slots: bool = True
     die_reserve_bytes: int = 0
+    # Memory-pressure ladder: levels engage when available memory falls below these percentages of the
+    # total (elevated -> fewer slots, high -> one slot and half the window, critical -> refuse what would
+    # queue). PN_MEMINFO_PATH points the monitor at another meminfo-format file (tests use a fake one).
+    mem_elevated_pct: float = 15.0
+    mem_high_pct: float = 8.0
+    mem_critical_pct: float = 4.0
+    mem_poll_ms: int = 1000
+    meminfo_path: Path = Path("/proc/meminfo")
 
     @property
     def default_model_path(self) -> Path:
@@ -64,6 +72,16 @@ class EnvKnobs:
     @property
     def cache_dir(self) -> Path:
         return self.home / "derived"
+
+
+def _float_env(environ: Mapping[str, str], name: str, default: float) -> float:
+    raw = environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise SystemExit(f"environment variable {name}={raw!r} is not a number") from None
 
 
 def read_env(environ: Mapping[str, str] | None = None) -> EnvKnobs:
@@ -79,6 +97,11 @@ def read_env(environ: Mapping[str, str] | None = None) -> EnvKnobs:
         queue_depth=max(0, _int_env(env, "BS_QUEUE_DEPTH", 32)),
         batch_slots=True if batch_slots is None else batch_slots,
         die_reserve_bytes=max(0, _int_env(env, "PN_DIE_RESERVE_BYTES", 0)),
+        mem_elevated_pct=_float_env(env, "PN_MEM_ELEVATED_PCT", 15.0),
+        mem_high_pct=_float_env(env, "PN_MEM_HIGH_PCT", 8.0),
+        mem_critical_pct=_float_env(env, "PN_MEM_CRITICAL_PCT", 4.0),
+        mem_poll_ms=max(50, _int_env(env, "PN_MEM_POLL_MS", 1000)),
+        meminfo_path=Path(env.get("PN_MEMINFO_PATH") or "/proc/meminfo"),
     )
 
 

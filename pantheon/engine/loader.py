@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from pantheon.config import DEFAULT_CTX_CAP, EnvKnobs, ModelOptions
 from pantheon.errors import ModelLoadError
 from pantheon.io.chat_template import ChatTemplate, TemplateRenderError
@@ -67,6 +69,17 @@ def weights_version_of(gguf: GGUFFile) -> int:
     return int.from_bytes(digest.digest()[:7], "big")  # < 2**56: exact in JSON numbers everywhere
 
 
+def _warm_up(model: Any) -> None:
+    """Run every kernel path once (a short and a long prefill, a batched decode) so numba's compiled code is
+    loaded before the first request, which would otherwise pay for it and skew the measured prefill rate."""
+    from pantheon.models.base import BatchRow
+
+    state = model.new_state(2, 48)
+    model.forward(state, [BatchRow(0, np.arange(40, dtype=np.int32) % model.vocab_size, 0)])
+    model.forward(state, [BatchRow(1, np.array([1, 2], np.int32), 0)])
+    model.forward(state, [BatchRow(0, np.array([3], np.int32), 40), BatchRow(1, np.array([3], np.int32), 2)])
+
+
 def load_served_model(options: ModelOptions, env: EnvKnobs, backend: Any) -> LoadedModel:
     gguf = open_gguf(options.path, env.cache_dir)
     try:
@@ -81,6 +94,7 @@ def load_served_model(options: ModelOptions, env: EnvKnobs, backend: Any) -> Loa
     except Exception:
         gguf.close()
         raise
+    _warm_up(model)
     ctx_cap = min(options.ctx_cap if options.ctx_cap > 0 else DEFAULT_CTX_CAP, model.context_length)
     return LoadedModel(
         name=options.name,

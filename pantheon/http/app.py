@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import trio
@@ -18,6 +19,7 @@ from pantheon.chat import completion as chat_completion
 from pantheon.chat.request import parse_chat_request
 from pantheon.config import EnvKnobs
 from pantheon.errors import ApiError
+from pantheon.http import session_routes
 from pantheon.http.asgi import (
     BASE_HEADERS,
     Receive,
@@ -56,6 +58,12 @@ class App:
             ("GET", "/"): self.health,
             ("GET", "/v1/models"): self.models,
             ("POST", "/v1/chat/completions"): self.chat_completions,
+            ("POST", "/admin/session/export"): partial(session_routes.export, state.registry),
+            ("POST", "/session/restore"): partial(session_routes.restore, state.registry),
+            ("POST", "/session/release"): partial(session_routes.release, state.registry),
+            ("GET", "/session/estimate"): partial(session_routes.estimate, state.registry),
+            ("GET", "/session/watch"): partial(session_routes.watch, state.registry,
+                                               state.env.session_watch_grace_ms / 1000.0),
         }
 
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:

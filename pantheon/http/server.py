@@ -16,10 +16,12 @@ from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
 
 from pantheon.buildinfo import compiled_backend
-from pantheon.config import ServeOptions
+from pantheon.config import EnvKnobs, ServeOptions
 from pantheon.engine.loader import load_served_model
 from pantheon.http.app import App, ServerState
 from pantheon.sched.registry import ModelInstance, Registry
+from pantheon.sched.persistence import load_sessions, save_sessions
+from pantheon.sched.memory import MemoryLadder, read_meminfo
 from pantheon.sched.scheduler import Scheduler
 
 log = logging.getLogger("pantheon")
@@ -31,13 +33,43 @@ def make_backend(options: ServeOptions) -> Any:
     return CpuBackend(threads=options.resolved_threads)
 
 
-def make_instance(loaded: Any, env: Any) -> ModelInstance:
+def make_instance(loaded: Any, env: EnvKnobs) -> ModelInstance:
     opts = loaded.options
-    max_concurrent = opts.resolved_max_concurrent if env.batch_slots else 1
-    n_slots = max(opts.resolved_max_sessions, max_concurrent)
-    scheduler = Scheduler(loaded, n_slots=n_slots, max_concurrent=max_concurrent,
-                          queue_depth=env.queue_depth if env.batch_slots else 0)
+    scheduler = Scheduler(loaded, max_sessions=opts.resolved_max_sessions,
+                          max_concurrent=opts.resolved_max_concurrent, queue_depth=env.queue_depth,
+                          batched=env.batch_slots, idle_ttl_s=env.session_idle_ttl_ms / 1000.0)
     return ModelInstance(loaded, scheduler)
+
+
+async def _watch_memory(registry: Registry, env: EnvKnobs) -> None:
+    """The memory-pressure ladder: poll host memory, clamp every scheduler's slots and window."""
+    ladder = MemoryLadder(env.mem_elevated_pct, env.mem_high_pct, env.mem_critical_pct)
+    while True:
+        try:
+            reading = read_meminfo(env.meminfo_path)
+        except (OSError, ValueError):
+            reading = None  # unreadable: keep the last level
+        if reading is not None:
+            before = ladder.level
+            level = ladder.update(reading)
+            if level != before:
+                log.warning("memory pressure level %d -> %d (%.1f%% available)", before, level,
+                            reading.available_pct)
+        for instance in registry.instances:
+            s = instance.scheduler
+            s.apply_limits(ladder.concurrency(s.max_concurrent_configured), ladder.window(s.ctx_window_configured),
+                           ladder.critical)
+        await trio.sleep(env.mem_poll_ms / 1000.0)
+
+
+async def _reap_sessions(registry: Registry, env: EnvKnobs) -> None:
+    # Often enough that a session outlives its TTL by at most a quarter of it (capped at 30 s).
+    interval = min(30.0, max(0.05, env.session_idle_ttl_ms / 4000.0))
+    while True:
+        await trio.sleep(interval)
+        for instance in registry.instances:
+            for session_id in instance.scheduler.sessions.reap():
+                log.info("%s: session %s reaped after idling past its TTL", instance.name, session_id)
 
 
 def _hypercorn_config(options: ServeOptions) -> HypercornConfig:
@@ -51,22 +83,35 @@ def _hypercorn_config(options: ServeOptions) -> HypercornConfig:
 
 
 def _idle(registry: Registry) -> bool:
-    return all(i.scheduler.n_active == 0 and i.scheduler.n_waiting == 0 for i in registry.instances)
+    return all(i.scheduler.idle for i in registry.instances)
 
 
-async def _watch_signals(state: ServerState, shutdown: trio.Event, drain_timeout_s: float) -> None:
+async def _drain(state: ServerState, options: ServeOptions, shutdown: trio.Event) -> None:
+    """Refuse new completions, let in-flight and queued turns finish within the deadline, save sessions."""
+    state.draining = True
+    with trio.move_on_after(options.drain_timeout_s):
+        while not _idle(state.registry):
+            await trio.sleep(0.05)
+    if options.session_dir is not None:
+        for instance in state.registry.instances:
+            try:
+                n = await save_sessions(instance, options.session_dir)
+                log.info("%s: saved %d session(s) to %s", instance.name, n, options.session_dir)
+            except OSError as exc:
+                log.error("%s: could not save sessions: %s", instance.name, exc)
+    shutdown.set()
+
+
+async def _watch_signals(state: ServerState, options: ServeOptions, shutdown: trio.Event) -> None:
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async for signum in signals:
-            if state.draining:
-                log.warning("second signal: exiting now")
-                sys.stderr.flush()
-                os._exit(1)
-            state.draining = True
-            log.warning("%s: draining (deadline %.0f s)", signal.Signals(signum).name, drain_timeout_s)
-            with trio.move_on_after(drain_timeout_s):
-                while not _idle(state.registry):
-                    await trio.sleep(0.05)
-            shutdown.set()
+        async with trio.open_nursery() as nursery:
+            async for signum in signals:
+                if state.draining:
+                    log.warning("second signal: exiting now")
+                    sys.stderr.flush()
+                    os._exit(1)
+                log.warning("%s: draining (deadline %.0f s)", signal.Signals(signum).name, options.drain_timeout_s)
+                nursery.start_soon(_drain, state, options, shutdown)
 
 
 async def serve(options: ServeOptions, *, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
@@ -83,7 +128,11 @@ async def serve(options: ServeOptions, *, task_status: trio.TaskStatus[list[str]
     async with trio.open_nursery() as root:
         for instance in registry.instances:
             await root.start(instance.scheduler.run)
-        root.start_soon(_watch_signals, state, shutdown, options.drain_timeout_s)
+            if options.session_dir is not None:
+                await load_sessions(instance, options.session_dir)
+        root.start_soon(_watch_signals, state, options, shutdown)
+        root.start_soon(_watch_memory, registry, env)
+        root.start_soon(_reap_sessions, registry, env)
         async with trio.open_nursery() as http:
             binds = await http.start(partial(hypercorn_serve, app, _hypercorn_config(options),
                                              shutdown_trigger=shutdown.wait))

@@ -90,6 +90,7 @@ class KVState:
 
 class LlamaModel:
     architecture = "llama"
+    state_dtype = np.dtype(np.float32)
 
     def __init__(self, config: LlamaConfig, backend: Any, tok_embd: Any, blocks: list[LlamaBlock],
                  output_norm: np.ndarray, output: Any) -> None:
@@ -151,6 +152,31 @@ class LlamaModel:
         shape = (n_slots, ctx_cap, c.n_kv_heads, c.head_dim)
         return KVState(k=[be.zeros(shape) for _ in range(c.n_layers)],
                        v=[be.zeros(shape) for _ in range(c.n_layers)], ctx_cap=ctx_cap)
+
+    def state_dims(self) -> dict[str, int]:
+        """The geometry a session blob must match to be restored into this model."""
+        c = self.config
+        return {"n_layers": c.n_layers, "n_kv_heads": c.n_kv_heads, "head_dim": c.head_dim}
+
+    def read_slot(self, state: KVState, slot: int, n_tokens: int) -> list[tuple[str, np.ndarray]]:
+        """Copies of one slot's state for its first n_tokens positions (for a session blob)."""
+        arrays = []
+        for li in range(self.config.n_layers):
+            arrays.append((f"k{li}", state.k[li][slot, :n_tokens].copy()))
+            arrays.append((f"v{li}", state.v[li][slot, :n_tokens].copy()))
+        return arrays
+
+    def slot_layout(self, n_tokens: int) -> list[tuple[str, tuple[int, ...]]]:
+        c = self.config
+        shape = (n_tokens, c.n_kv_heads, c.head_dim)
+        return [(f"{kind}{li}", shape) for li in range(c.n_layers) for kind in ("k", "v")]
+
+    def write_slot(self, state: KVState, slot: int, arrays: list[tuple[str, np.ndarray]], n_tokens: int) -> None:
+        """Install state read by read_slot. The caller has checked the layout with slot_layout."""
+        by_name = dict(arrays)
+        for li in range(self.config.n_layers):
+            state.k[li][slot, :n_tokens] = by_name[f"k{li}"]
+            state.v[li][slot, :n_tokens] = by_name[f"v{li}"]
 
     def kv_bytes_per_token(self) -> int:
         c = self.config

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
+
+import numpy as np
 
 from pantheon.engine.sampling import SampledToken, SamplingParams
 from pantheon.errors import ApiError
@@ -19,14 +21,29 @@ class GenerationJob:
     max_tokens: int
     stop_ids: frozenset[int]
     session_key: str | None = None
-    # Optional grammar constraint (engine/constraints): gives a boolean allowed-token mask per step.
+    # Optional token controller (grammar constraint, reasoning budget): see TokenController.
     constraint: Any = None
     job_id: int = field(default_factory=lambda: next(_job_ids))
     # Set by the consumer (stop string seen, client gone); the scheduler drops the job at its next step.
     cancelled: bool = False
+    # The scheduler's wake-up hook, so a cancelled job leaves the queue at once.
+    on_cancel: Any = None
 
     def cancel(self) -> None:
-        self.cancelled = True
+        if not self.cancelled:
+            self.cancelled = True
+            if self.on_cancel is not None:
+                self.on_cancel()
+
+
+class TokenController(Protocol):
+    """Steers one job's decode: masks (grammars), forced tokens (a reasoning budget closing </think>)."""
+
+    def forced(self) -> int | None: ...
+    def mask(self) -> np.ndarray | None: ...
+    def advance(self, token: int) -> None: ...
+    def allows_stop(self) -> bool: ...
+    def is_finished(self) -> bool: ...
 
 
 @dataclass(frozen=True)

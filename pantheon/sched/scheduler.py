@@ -1,22 +1,29 @@
 """One scheduler task per served model instance: slots, FIFO queue, admission, and the batched step.
 
-Every step runs one forward pass over all active sequences — prefill chunks and single decode tokens mixed
-— in a worker thread, then samples each sequence that needs a token. Jobs arrive through `submit()`; each
-gets its own unbounded event channel, so a slow reader never stalls the batch, and a reader that closes its
-channel (client gone) frees its slot at the next step.
+The loop admits queued jobs into slots (the session table picks the slot and how much of the prompt it
+already holds), then runs one step in a worker thread: either a prefill chunk of one job or one decode token
+for every decoding job — one forward pass, weights read once for the whole batch — and samples.
 
-Prefill chunking: a step carries at most `step_token_budget` prompt tokens in total, so a long prompt is
-spread over several steps and every decoding stream still gets a token per step. The budget (256) is the
-batch size at which the prefill matmuls reach most of their throughput on the cpu backend while one step
-stays around 1 s at worst on a 2-core machine.
+Prefill and decode steps alternate while both kinds of work exist, so a long prompt never freezes the
+streams that are decoding: they get a token between any two chunks. A chunk is `prefill_chunk` tokens
+(256): large enough that the prefill matmuls run near full speed, small enough that one chunk takes well
+under a second of a 2-core machine on the default model. Prefill rows and decode rows are never mixed in one
+forward, and chunks always start at multiples of the chunk size, so a sequence's numbers do not depend on
+what else is running (greedy output alone equals greedy output under load) or on whether a turn reused a
+cached prefix.
+
+Jobs arrive through `submit()`; each gets its own unbounded event channel, so a slow reader never stalls
+the batch, and a reader that closes its channel (client gone) frees its slot at the next step.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import trio
@@ -24,30 +31,31 @@ import trio
 from pantheon.engine.loader import LoadedModel
 from pantheon.engine.repetition import RepetitionDetector
 from pantheon.engine.sampling import SampledToken, Sampler
+from pantheon.engine.sessions import SessionTable, SlotInfo
 from pantheon.errors import ApiError
 from pantheon.models.base import BatchRow
 from pantheon.sched.jobs import ErrorEvent, Event, FinishEvent, GenerationJob, TokenEvent, Usage
 
+log = logging.getLogger("pantheon.sched")
+
 QUEUE_TIMEOUT_S = 30.0
-
-
-@dataclass
-class Slot:
-    index: int
-    tokens: list[int] = field(default_factory=list)  # tokens whose KV this slot holds, in order
-    busy: bool = False
+PREFILL_CHUNK = 256
+# Before a rate has been measured (spec: "a fixed fallback before one is measured").
+FALLBACK_PREFILL_TOK_S = 100.0
+FALLBACK_DECODE_TOK_S = 20.0
 
 
 @dataclass
 class Active:
     job: GenerationJob
     events: trio.MemorySendChannel[Event]
-    slot: Slot
+    slot: SlotInfo
     sampler: Sampler
-    prompt_done: int = 0  # prompt tokens already in the slot's KV
+    prompt_done: int = 0  # prompt tokens already in the slot's state
     cached_tokens: int = 0
+    conflict: bool = False
     generated: list[int] = field(default_factory=list)
-    pending: int | None = None  # last sampled token, to be fed at the next step
+    pending: int | None = None  # last sampled token, fed at the next decode step
     repetition: RepetitionDetector = field(default_factory=RepetitionDetector)
 
     @property
@@ -63,43 +71,35 @@ class Waiting:
 
 
 class Scheduler:
-    def __init__(self, served: LoadedModel, *, n_slots: int, max_concurrent: int, queue_depth: int,
-                 step_token_budget: int = 256) -> None:
+    def __init__(self, served: LoadedModel, *, max_sessions: int, max_concurrent: int, queue_depth: int,
+                 batched: bool = True, idle_ttl_s: float = 12 * 3600.0,
+                 prefill_chunk: int = PREFILL_CHUNK) -> None:
         self.served = served
-        self.max_concurrent = max(1, min(max_concurrent, n_slots))
-        self.queue_depth = queue_depth
-        self.step_token_budget = step_token_budget
-        self.slots = [Slot(i) for i in range(n_slots)]
+        self.batched = batched
+        # Legacy path (no batch scheduler): one generation at a time, nothing queues.
+        self.max_concurrent_configured = max(1, max_concurrent)
+        self.max_concurrent = self.max_concurrent_configured if batched else 1
+        self.queue_depth = queue_depth if batched else 0
+        self.prefill_chunk = prefill_chunk
+        self.ctx_window_configured = served.ctx_cap
+        self.ctx_window = served.ctx_cap  # effective: after the memory ladder's clamp
+        self.memory_critical = False
+        # Sessions own up to 2 slots each; stateless turns always find one of the remaining max_concurrent.
+        n_slots = max_sessions * 2 + self.max_concurrent_configured
+        self.sessions = SessionTable(n_slots=n_slots, max_sessions=max_sessions, idle_ttl_s=idle_ttl_s)
         self.state = served.model.new_state(n_slots, served.ctx_cap)
         self._waiting: deque[Waiting] = deque()
         self._active: list[Active] = []
         self._wakeup = trio.Event()
+        self._last_step_prefill = False
         self.prefill_tok_per_s: float | None = None
+        self.decode_step_s: float | None = None
+        self._nursery: trio.Nursery | None = None
 
-    # -- admission (event loop) ----------------------------------------------------------------------------
+    # -- capacity ------------------------------------------------------------------------------------------
     @property
     def kv_cap(self) -> int:
-        return self.served.ctx_cap
-
-    def submit(self, job: GenerationJob) -> trio.MemoryReceiveChannel[Event]:
-        """Queue a job; returns its event channel. Raises ApiError when it cannot be accepted."""
-        if len(job.prompt) >= self.kv_cap:
-            raise ApiError(422, "context_over_budget",
-                           f"prompt is {len(job.prompt)} tokens; the context window is {self.kv_cap} tokens "
-                           f"(kv_used={len(job.prompt)}, kv_cap={self.kv_cap}); this model's maximum context "
-                           f"length is {self.kv_cap} tokens",
-                           extra={"kv_used": len(job.prompt), "kv_cap": self.kv_cap})
-        if len(self._waiting) >= self.queue_depth and len(self._active) >= self.max_concurrent:
-            raise ApiError(429, "server_busy", "all decode slots are busy and the queue is full",
-                           headers={"Retry-After": str(self.retry_after_s())})
-        send, receive = trio.open_memory_channel[Event](math.inf)
-        self._waiting.append(Waiting(job, send, time.monotonic()))
-        self._wakeup.set()
-        return receive
-
-    def retry_after_s(self) -> int:
-        """Seconds until a slot is likely free: remaining tokens of the running jobs at the recent rate."""
-        return max(1, min(60, 1 + len(self._waiting) // max(1, self.max_concurrent)))
+        return self.ctx_window
 
     @property
     def n_active(self) -> int:
@@ -109,28 +109,109 @@ class Scheduler:
     def n_waiting(self) -> int:
         return len(self._waiting)
 
+    @property
+    def idle(self) -> bool:
+        return not self._active and not self._waiting
+
+    def apply_limits(self, concurrency: int, window: int, critical: bool) -> None:
+        """Called by the memory monitor; takes effect at once for admission and advertised numbers."""
+        self.max_concurrent = max(1, min(concurrency, self.max_concurrent_configured)) if self.batched else 1
+        self.ctx_window = max(1, min(window, self.ctx_window_configured))
+        self.memory_critical = critical
+        self._poke()
+
+    def retry_after_s(self) -> int:
+        """Seconds until a slot is likely free, from the work ahead and the measured decode step time."""
+        step = self.decode_step_s or 1.0 / FALLBACK_DECODE_TOK_S
+        remaining = [a.job.max_tokens - len(a.generated) for a in self._active]
+        soonest = min(remaining, default=0) * step
+        queued = len(self._waiting) / max(1, self.max_concurrent)
+        return int(max(1, min(120, math.ceil(soonest * (1 + queued)))))
+
+    def reprefill_estimate_s(self, n_tokens: int) -> float:
+        return n_tokens / (self.prefill_tok_per_s or FALLBACK_PREFILL_TOK_S)
+
+    @staticmethod
+    def reprefill_estimate_fallback() -> float:
+        return FALLBACK_PREFILL_TOK_S
+
+    @property
+    def watch_nursery(self) -> trio.Nursery | None:
+        return self._nursery
+
+    # -- admission (event loop) ----------------------------------------------------------------------------
+    def submit(self, job: GenerationJob) -> trio.MemoryReceiveChannel[Event]:
+        """Queue a job; returns its event channel. Raises ApiError when it cannot be accepted."""
+        if len(job.prompt) >= self.kv_cap:
+            raise ApiError(422, "context_over_budget",
+                           f"prompt is {len(job.prompt)} tokens but the context window is {self.kv_cap} tokens "
+                           f"(kv_used={len(job.prompt)}, kv_cap={self.kv_cap}); this model's maximum context "
+                           f"length is {self.kv_cap} tokens",
+                           extra={"kv_used": len(job.prompt), "kv_cap": self.kv_cap})
+        self.sessions.check_capacity(job.session_key, self.reprefill_estimate_s(len(job.prompt)))
+        busy = len(self._active) + len(self._waiting)
+        if busy >= self.max_concurrent:
+            if not self.batched:
+                raise ApiError(429, "server_busy", "a generation is already running on this model",
+                               headers={"Retry-After": str(self.retry_after_s())})
+            if self.memory_critical:
+                raise ApiError(503, "server_memory_constrained",
+                               "host memory is critically low: requests that would queue are refused",
+                               headers={"Retry-After": str(self.retry_after_s())})
+            if len(self._waiting) >= self.queue_depth:
+                raise ApiError(429, "server_busy", "all decode slots are busy and the queue is full",
+                               headers={"Retry-After": str(self.retry_after_s())})
+        elif self.memory_critical and job.session_key and self.sessions.get(job.session_key) is None:
+            raise ApiError(503, "server_memory_constrained",
+                           "host memory is critically low: new sessions are refused", headers={"Retry-After": "30"})
+        send, receive = trio.open_memory_channel[Event](math.inf)
+        job.on_cancel = self._poke
+        self._waiting.append(Waiting(job, send, time.monotonic()))
+        self._poke()
+        return receive
+
+    def _poke(self) -> None:
+        self._wakeup.set()
+
     # -- the loop ------------------------------------------------------------------------------------------
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        task_status.started()
+        async with trio.open_nursery() as nursery:
+            # Session watch grace timers live here, under the model instance (and so the root nursery).
+            self._nursery = nursery
+            task_status.started()
+            await self._loop()
+
+    def start_watch_grace(self, session_id: str, grace_s: float) -> None:
+        """The last watch on `session_id` closed: release the session after the grace period unless a new
+        watch arrives first."""
+
+        async def grace() -> None:
+            await trio.sleep(grace_s)
+            if not self.sessions.watches.get(session_id) and not self.session_busy(session_id):
+                self.sessions.release(session_id)
+
+        assert self._nursery is not None, "the scheduler task is not running"
+        self._nursery.start_soon(grace)
+
+    async def _loop(self) -> None:
         while True:
             self._drop_cancelled()
             self._admit()
             if not self._active:
                 self._wakeup = trio.Event()
-                if self._waiting:
-                    with trio.move_on_after(0.5):
-                        await self._wakeup.wait()
-                else:
+                # With jobs queued but no slot usable, re-check often enough to honour the queue timeout.
+                with trio.move_on_after(0.5 if self._waiting else math.inf):
                     await self._wakeup.wait()
                 continue
-            rows, owners = self._plan()
+            rows, owners, prefill = self._plan()
+            started = time.monotonic()
             try:
-                started = time.monotonic()
                 samples = await trio.to_thread.run_sync(self._execute, rows, owners)
-                self._note_rate(rows, owners, time.monotonic() - started)
             except Exception as exc:  # a failed forward fails its jobs, never the scheduler
-                self._fail_all(owners, exc)
+                log.exception("forward step failed")
+                self._fail(owners, exc)
                 continue
+            self._note_timing(rows, prefill, time.monotonic() - started)
             self._deliver(rows, owners, samples)
             await trio.lowlevel.checkpoint()
 
@@ -138,7 +219,7 @@ class Scheduler:
         for active in list(self._active):
             if active.job.cancelled:
                 self._release(active)
-        kept = deque()
+        kept: deque[Waiting] = deque()
         now = time.monotonic()
         for waiting in self._waiting:
             if waiting.job.cancelled:
@@ -153,42 +234,41 @@ class Scheduler:
         self._waiting = kept
 
     def _admit(self) -> None:
+        """FIFO: the head of the queue is admitted first; if it cannot get a slot yet, nobody passes it."""
         while self._waiting and len(self._active) < self.max_concurrent:
-            slot = self._free_slot()
-            if slot is None:
-                return
-            waiting = self._waiting.popleft()
+            waiting = self._waiting[0]
             job = waiting.job
-            slot.busy = True
-            slot.tokens.clear()
-            self._active.append(Active(job=job, events=waiting.events, slot=slot,
-                                       sampler=Sampler(job.sampling, self.served.model.vocab_size)))
+            try:
+                assignment = self.sessions.assign(job.session_key, job.prompt)
+            except ApiError as exc:  # the id's session capacity filled up while it waited
+                self._waiting.popleft()
+                self._send(waiting.events, ErrorEvent(exc))
+                waiting.events.close()
+                continue
+            if assignment is None:
+                return
+            self._waiting.popleft()
+            cached = assignment.cached_tokens
+            self._active.append(Active(job=job, events=waiting.events, slot=assignment.slot,
+                                       sampler=Sampler(job.sampling, self.served.model.vocab_size),
+                                       prompt_done=cached, cached_tokens=cached, conflict=assignment.conflict))
 
-    def _free_slot(self) -> Slot | None:
-        for slot in self.slots:
-            if not slot.busy:
-                return slot
-        return None
-
-    def _plan(self) -> tuple[list[BatchRow], list[Active]]:
-        rows: list[BatchRow] = []
-        owners: list[Active] = []
-        budget = self.step_token_budget
-        for active in self._active:
-            start = len(active.slot.tokens)
-            if active.prefilling:
-                if budget <= 0:
-                    continue
-                chunk = active.job.prompt[active.prompt_done : active.prompt_done + budget]
-                budget -= len(chunk)
-                last = active.prompt_done + len(chunk) == len(active.job.prompt)
-                rows.append(BatchRow(active.slot.index, np.asarray(chunk, dtype=np.int32), start,
-                                     "last" if last else "none"))
-            else:
-                assert active.pending is not None
-                rows.append(BatchRow(active.slot.index, np.asarray([active.pending], dtype=np.int32), start))
-            owners.append(active)
-        return rows, owners
+    def _plan(self) -> tuple[list[BatchRow], list[Active], bool]:
+        prefilling = [a for a in self._active if a.prefilling]
+        decoding = [a for a in self._active if not a.prefilling]
+        if prefilling and (not decoding or not self._last_step_prefill):
+            self._last_step_prefill = True
+            active = prefilling[0]
+            start = active.prompt_done
+            # Chunk boundaries at multiples of the chunk size: the same whatever was cached.
+            end = min(len(active.job.prompt), (start // self.prefill_chunk + 1) * self.prefill_chunk)
+            last = end == len(active.job.prompt)
+            chunk = np.asarray(active.job.prompt[start:end], dtype=np.int32)
+            return [BatchRow(active.slot.index, chunk, start, "last" if last else "none")], [active], True
+        self._last_step_prefill = False
+        rows = [BatchRow(a.slot.index, np.asarray([a.pending], dtype=np.int32), len(a.slot.tokens))
+                for a in decoding]
+        return rows, decoding, False
 
     def _execute(self, rows: list[BatchRow], owners: list[Active]) -> list[SampledToken | None]:
         """Worker thread: one forward pass, then sampling for every row that produced logits."""
@@ -199,16 +279,27 @@ class Scheduler:
             if row.logits == "none":
                 samples.append(None)
                 continue
-            mask = active.job.constraint.mask() if active.job.constraint is not None else None
-            samples.append(active.sampler.sample(logits[li], mask))
+            controller = active.job.constraint
+            forced = controller.forced() if controller is not None else None
+            if forced is not None:
+                samples.append(SampledToken(forced))
+            else:
+                mask = controller.mask() if controller is not None else None
+                samples.append(active.sampler.sample(logits[li], mask))
             li += 1
         return samples
 
-    def _note_rate(self, rows: list[BatchRow], owners: list[Active], seconds: float) -> None:
-        prefill_tokens = sum(len(r.tokens) for r, a in zip(rows, owners) if a.prefilling)
-        if prefill_tokens >= 32 and seconds > 0:
-            rate = prefill_tokens / seconds
-            self.prefill_tok_per_s = rate if self.prefill_tok_per_s is None else 0.7 * self.prefill_tok_per_s + 0.3 * rate
+    def _note_timing(self, rows: list[BatchRow], prefill: bool, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        if prefill:
+            n = sum(len(r.tokens) for r in rows)
+            if n >= 32:
+                rate = n / seconds
+                self.prefill_tok_per_s = rate if self.prefill_tok_per_s is None \
+                    else 0.7 * self.prefill_tok_per_s + 0.3 * rate
+        else:
+            self.decode_step_s = seconds if self.decode_step_s is None else 0.8 * self.decode_step_s + 0.2 * seconds
 
     def _deliver(self, rows: list[BatchRow], owners: list[Active], samples: list[SampledToken | None]) -> None:
         for row, active, sampled in zip(rows, owners, samples):
@@ -218,12 +309,13 @@ class Scheduler:
             if sampled is None:
                 continue
             token = sampled.token_id
-            if token in active.job.stop_ids:
+            controller = active.job.constraint
+            if token in active.job.stop_ids and (controller is None or controller.allows_stop()):
                 self._finish(active, "stop")
                 continue
             active.generated.append(token)
-            if active.job.constraint is not None:
-                active.job.constraint.advance(token)
+            if controller is not None:
+                controller.advance(token)
             if not self._send(active.events, TokenEvent(sampled)):
                 self._release(active)
                 continue
@@ -231,32 +323,32 @@ class Scheduler:
                 self._finish(active, "repetition_loop")
             elif len(active.generated) >= active.job.max_tokens or len(active.slot.tokens) + 1 >= self.kv_cap:
                 self._finish(active, "length")
-            elif active.job.constraint is not None and active.job.constraint.is_finished():
+            elif controller is not None and controller.is_finished():
                 self._finish(active, "stop")
             else:
                 active.pending = token
 
     def _usage(self, active: Active) -> Usage:
         return Usage(prompt_tokens=len(active.job.prompt), cached_tokens=active.cached_tokens,
-                     completion_tokens=len(active.generated), kv_used=len(active.slot.tokens), kv_cap=self.kv_cap)
+                     completion_tokens=len(active.generated), kv_used=len(active.slot.tokens),
+                     kv_cap=self.kv_cap, session_conflict=active.conflict)
 
     def _finish(self, active: Active, reason: str) -> None:
         self._send(active.events, FinishEvent(reason, self._usage(active)))
         self._release(active)
 
-    def _fail_all(self, owners: list[Active], exc: Exception) -> None:
+    def _fail(self, owners: list[Active], exc: Exception) -> None:
         error = ApiError(500, "server_error", f"generation failed: {type(exc).__name__}: {exc}")
         for active in owners:
             self._send(active.events, ErrorEvent(error, self._usage(active)))
-            active.slot.tokens.clear()  # its KV may be half-written
-            self._release(active)
+            self._release(active, keep_state=False)  # its state may be half-written
 
-    def _release(self, active: Active) -> None:
+    def _release(self, active: Active, *, keep_state: bool = True) -> None:
         if active in self._active:
             self._active.remove(active)
-        active.slot.busy = False
+            self.sessions.finish(active.slot, keep=keep_state)
         active.events.close()
-        self._wakeup.set()
+        self._poke()
 
     @staticmethod
     def _send(channel: trio.MemorySendChannel[Event], event: Event) -> bool:
@@ -265,3 +357,11 @@ class Scheduler:
             return True
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             return False
+
+    # -- sessions (event loop; the slot must not be mid-turn) ----------------------------------------------
+    def session_busy(self, session_id: str) -> bool:
+        session = self.sessions.get(session_id)
+        return session is not None and session.busy
+
+    async def run_in_worker(self, fn: Any, *args: Any) -> Any:
+        return await trio.to_thread.run_sync(fn, *args)

@@ -1,30 +1,29 @@
 """Matrix products computed directly on GGUF quantized weights, on the CPU, with numba.
 
-A weight is N x K: N rows (output features) of K values (input features, ggml ne0), each row stored as the raw
-GGUF blocks. Activations `x` are float32 (B, K); `matmul` returns float32 (B, N) = x @ dequantize(W).T.
+A weight is N x K: N rows (output features) of K values (input features, ggml ne0), each row stored as its raw GGUF
+blocks. Activations `x` are float32 (B, K); `matmul` returns float32 (B, N) = x @ dequantize(W).T.
 
-Paths, chosen by `matmul`:
-- F32 weights: numpy BLAS on a zero-copy float32 view of the bytes.
-- B < TILE_MIN_BATCH (decode): `_gemm_rows`, one kernel per type (the driver specialised on the type's row
-  dequantizer). Each weight row is unpacked into a float32 scratch row that stays in L1, then dotted with every
-  activation row, four at a time, while it is hot: the weights are read from memory once per call.
-- B >= TILE_MIN_BATCH (prefill): tiles of weight rows are unpacked into a reused float32 scratch by `_dequant_tile`
-  and multiplied with BLAS (`x @ tile.T`, written into a column slice of `out`).
+One path for every batch size, `_gemm_rows`: four weight rows at a time are unpacked by the type's row
+dequantizer (`_deq_<type>`) into a float32 scratch that stays in L1, then dotted with every activation row while
+they are hot, so the weights are read from memory once per call (once per 1 MiB block of x for very large
+batches). Each activation row takes the same instructions whatever the batch size, which makes the result of a
+row independent of the batch it is in (see `_dot_4_rows`). Dequantizing tiles and multiplying with OpenBLAS was
+measured too (Q4_1 1536x576, one thread, ms per call, rows / tiles+BLAS: B=64 1.18 / 1.62, B=512 9.63 / 9.59,
+B=2048 40.7 / 38.4): it is not faster at the batch sizes the scheduler uses, and would break batch invariance.
 
-Nothing is dequantized at load time: `prepare_weight` only validates sizes and takes a read-only view of the bytes.
+Nothing is dequantized at load time: `prepare_weight` validates sizes and takes a read-only view of the bytes.
 
-Why the row-scratch form and not a dot product on each block in registers: numba compiles without LLVM's SLP
-vectorizer, so a block's 16- or 32-wide inner loop only vectorizes as a loop, and a per-block dot then pays one
-horizontal sum per block and per activation row. Measured on Q4_1 1536x576, one thread (Zen 4): per-block fused dot
-0.137 ms at B=1 and 1.03 ms at B=8, against 0.105 ms and 0.32 ms for the row scratch.
+Why a scratch row and not a dot product on each block in registers: numba compiles without LLVM's SLP vectorizer, so
+a block's 16- or 32-wide inner loop only vectorizes as a loop, and a dot product per block then pays a horizontal
+sum per block and per activation row. Q4_1 1536x576, one thread (Zen 4): a dot product per block took 0.137 ms at
+B=1 and 1.03 ms at B=8; unpacking to a scratch row took 0.105 ms and 0.32 ms.
 
-The kernels run with the GIL released (`nogil`) and use numba's thread pool (`parallel`); the caller sizes it with
-`numba.set_num_threads`. BLAS threads (prefill path) are OpenBLAS's own.
+The kernels release the GIL (`nogil`) and run on numba's thread pool (`parallel`), sized by the caller with
+`numba.set_num_threads`.
 """
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 
 import numba
@@ -36,7 +35,6 @@ from numba.extending import intrinsic
 
 __all__ = [
     "SUPPORTED_TYPES",
-    "TILE_MIN_BATCH",
     "QWeight",
     "UnsupportedTensorType",
     "dequantize_rows",
@@ -48,16 +46,9 @@ F32, F16, BF16 = 0, 1, 30
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 2, 3, 6, 7, 8
 Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 10, 11, 12, 13, 14
 
-# Batch size from which `matmul` dequantizes tiles and multiplies with BLAS instead of `_gemm_rows`.
-# Measured with bench/kernels_matmul.py (2 threads, Zen 4, OpenBLAS 0.3.31), ms per call, rows kernel / tiles+BLAS:
-#   Q4_1 1536x576:  B=8 0.17 / 0.40   B=16 0.33 / 0.44   B=24 0.50 / 0.52   B=32 0.66 / 0.55   B=64 1.31 / 0.88
-#   Q4_1 576x1536:  B=8 0.17 / 0.38   B=16 0.33 / 0.43   B=24 0.49 / 0.50   B=32 0.65 / 0.56   B=64 1.29 / 0.89
-# (OpenBLAS is slow for 2 <= B <= 16: sgemm with few rows runs at a few GFLOP/s, so the rows kernel beats it there.)
-TILE_MIN_BATCH = 24
-# Weight rows per tile: the float32 tile stays near 1 MiB, inside L2, for BLAS to re-read.
-_TILE_BYTES = 1 << 20
-# Rows per parallel chunk in `_gemm_rows` (one scratch row is allocated per chunk).
-_ROW_CHUNK = 32
+# Bytes of x that `_gemm_rows` streams per pass over a chunk of weight rows, so the block stays in cache (Q4_K
+# 2048x8192 at B=512, one thread: 770 ms with the whole 16 MiB of x per pass, 214 ms with 1 MiB blocks).
+_X_BLOCK_BYTES = 1024 * 1024
 
 # Every inner loop over a block runs `range(n16)` or `range(2 * n16)` with n16 == 16 passed in from Python. A literal
 # bound would let LLVM unroll the 16-trip loop into straight-line code before its loop vectorizer runs, and numba
@@ -83,6 +74,9 @@ class QWeight:
     data: np.ndarray
 
     def __post_init__(self) -> None:
+        # Plain ints: GGUFReader hands out enum types and numpy shapes, which numba would compile separately.
+        for name in ("qtype", "rows", "cols"):
+            object.__setattr__(self, name, int(getattr(self, name)))
         row_bytes = _row_bytes(self.qtype, self.rows, self.cols)
         data = self.data
         if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.shape != (self.rows, row_bytes):
@@ -112,6 +106,7 @@ def prepare_weight(raw: np.ndarray, qtype: int, rows: int, cols: int) -> QWeight
         UnsupportedTensorType: qtype is not in SUPPORTED_TYPES.
         ValueError: the sizes do not match, or raw is not C-contiguous.
     """
+    qtype, rows, cols = int(qtype), int(rows), int(cols)
     row_bytes = _row_bytes(qtype, rows, cols)
     if not isinstance(raw, np.ndarray):
         raise ValueError(f"raw must be a numpy array, got {type(raw).__name__}")
@@ -129,7 +124,14 @@ def prepare_weight(raw: np.ndarray, qtype: int, rows: int, cols: int) -> QWeight
 
 
 def matmul(w: QWeight, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """out = x @ dequantize(w).T, float32 (B, N). x: float32 (B, K), C-contiguous. out, if given, is written in place."""
+    """out = x @ dequantize(w).T, float32 (B, N).
+
+    x is float32 (B, K), C-contiguous; out, if given, is float32 (B, N), C-contiguous, and is written in place.
+
+    Raises:
+        UnsupportedTensorType: w.qtype is not in SUPPORTED_TYPES.
+        ValueError: x or out has the wrong dtype, shape or layout.
+    """
     if w.qtype not in SUPPORTED_TYPES:
         raise UnsupportedTensorType(f"ggml tensor type {_type_name(w.qtype)} is not supported by the CPU kernels")
     if x.dtype != np.float32 or x.ndim != 2 or x.shape[1] != w.cols or not x.flags.c_contiguous:
@@ -144,12 +146,7 @@ def matmul(w: QWeight, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarr
         raise ValueError(f"out must be C-contiguous float32 of shape ({batch}, {w.rows}), got {out.dtype} {out.shape}")
     if batch == 0:
         return out
-    if w.qtype == F32:
-        np.matmul(x, w.data.view(np.float32).T, out=out)
-    elif batch < TILE_MIN_BATCH:
-        _gemm_rows(w.qtype, w.data, x, out, _N16)
-    else:
-        _gemm_tiles(w, x, out)
+    _gemm_rows(w.qtype, w.data, x, out, _N16, 4 * numba.get_num_threads())
     return out
 
 
@@ -174,7 +171,7 @@ def dequantize_rows(w: QWeight, row_ids: np.ndarray) -> np.ndarray:
     if w.qtype == F32:
         np.take(w.data.view(np.float32), ids, axis=0, out=out)
     else:
-        _dequant_rows(w.qtype, w.data, ids.astype(np.int64, copy=False), out, _N16)
+        _dequant_rows(w.qtype, w.data, np.ascontiguousarray(ids, dtype=np.int64), out, _N16)
     return out
 
 
@@ -198,28 +195,6 @@ def _row_bytes(qtype: int, rows: int, cols: int) -> int:
     if cols % block:
         raise ValueError(f"{_type_name(qtype)}: cols={cols} is not a multiple of the block size {block}")
     return cols // block * block_bytes
-
-
-_scratch = threading.local()
-
-
-def _tile_scratch(size: int) -> np.ndarray:
-    """A float32 buffer of at least `size`, reused by this thread across calls."""
-    buf = getattr(_scratch, "buf", None)
-    if buf is None or buf.size < size:
-        buf = np.empty(size, dtype=np.float32)
-        _scratch.buf = buf
-    return buf[:size]
-
-
-def _gemm_tiles(w: QWeight, x: np.ndarray, out: np.ndarray) -> None:
-    tile_rows = min(w.rows, max(16, _TILE_BYTES // (4 * w.cols)))
-    scratch = _tile_scratch(tile_rows * w.cols).reshape(tile_rows, w.cols)
-    for r0 in range(0, w.rows, tile_rows):
-        r1 = min(w.rows, r0 + tile_rows)
-        tile = scratch[: r1 - r0]
-        _dequant_tile(w.qtype, w.data, r0, tile, _N16)
-        np.matmul(x, tile.T, out=out[:, r0:r1])
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -263,6 +238,28 @@ _u8, _i8, _f32 = np.uint8, np.int8, np.float32
 # Row dequantizers: `_deq_<type>(row, dst, n16)` writes the K floats of one weight row (its raw bytes) into dst[:K].
 # Block layouts follow gguf.quants (dequantize_blocks). Integer values are narrowed (_u8/_i8) before the float
 # conversion: numba computes integers in int64, and a 64-bit int->float conversion vectorizes badly or not at all.
+
+
+@intrinsic
+def _f32_bits(typingctx, b0, b1, b2, b3):
+    """float32 from its four little-endian bytes."""
+    if not all(b == types.uint8 for b in (b0, b1, b2, b3)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        bits = builder.zext(args[0], i32)
+        for i, byte in enumerate(args[1:], start=1):
+            bits = builder.or_(bits, builder.shl(builder.zext(byte, i32), ir.Constant(i32, 8 * i)))
+        return builder.bitcast(bits, ir.FloatType())
+
+    return types.float32(b0, b1, b2, b3), codegen
+
+
+@numba.njit(**_KERNEL)
+def _deq_f32(row, dst, n16):
+    for k in range(row.shape[0] // 4):
+        dst[k] = _f32_bits(row[4 * k], row[4 * k + 1], row[4 * k + 2], row[4 * k + 3])
 
 
 @numba.njit(**_KERNEL)
@@ -319,7 +316,9 @@ _BIT = np.array([1 << j for j in range(32)], dtype=np.uint32)
 
 @numba.njit(inline="always")
 def _u32(row, p):
-    return np.uint32(row[p]) | (np.uint32(row[p + 1]) << 8) | (np.uint32(row[p + 2]) << 16) | (np.uint32(row[p + 3]) << 24)
+    """The little-endian uint32 at row[p:p+4]."""
+    lo = np.uint32(row[p]) | (np.uint32(row[p + 1]) << 8)
+    return lo | (np.uint32(row[p + 2]) << 16) | (np.uint32(row[p + 3]) << 24)
 
 
 @numba.njit(**_KERNEL)
@@ -499,11 +498,12 @@ def _deq_q6_k(row, dst, n16):
 # ---------------------------------------------------------------------------------------------------------------------
 # Drivers. They take the ggml type id and pick the row dequantizer per row (`_deq_row`): a runtime switch keeps one
 # signature per driver, which numba caches on disk. (Passing the dequantizer itself as an argument compiles a
-# specialisation per type, but numba's cache cannot key it across processes, so every start recompiled it.)
+# specialisation per type, but numba's cache cannot key those across processes: every start recompiled them.)
 
 
 @numba.njit(**_KERNEL)
 def _deq_row(qtype, row, dst, n16):
+    """dst[:K] = dequantized row; qtype is one of SUPPORTED_TYPES (checked by the Python callers)."""
     if qtype == Q4_1:
         _deq_q4_1(row, dst, n16)
     elif qtype == Q8_0:
@@ -528,47 +528,70 @@ def _deq_row(qtype, row, dst, n16):
         _deq_f16(row, dst, n16)
     elif qtype == BF16:
         _deq_bf16(row, dst, n16)
+    elif qtype == F32:
+        _deq_f32(row, dst, n16)
 
 
 @numba.njit(parallel=True, **_KERNEL)
-def _gemm_rows(qtype, data, x, out, n16):
-    """out[b, n] = dot(dequantized row n, x[b]) for all b: each row is unpacked once into an L1-resident scratch."""
+def _gemm_rows(qtype, data, x, out, n16, n_chunks):
+    """out = x @ W.T: weight rows are unpacked four at a time into an L1-resident scratch, then multiplied with the
+    activation rows four at a time (a 4x4 tile of dot products: eight loads feed sixteen FMAs).
+
+    The rows are split into about n_chunks equal chunks, one scratch each (a few per thread balances the load). The
+    batch is walked in blocks of at most _X_BLOCK_BYTES of x, so the block that is re-read for every four weight
+    rows stays in cache; a weight row is unpacked once per block."""
     n_rows = data.shape[0]
     batch, k_dim = x.shape
-    for c in prange((n_rows + _ROW_CHUNK - 1) // _ROW_CHUNK):
-        w = np.empty(k_dim, dtype=np.float32)
-        for n in range(c * _ROW_CHUNK, min(n_rows, (c + 1) * _ROW_CHUNK)):
-            _deq_row(qtype, data[n], w, n16)
-            b = 0
-            # Four activation rows per pass over w: one load of w[k] feeds four FMAs.
-            while b + 4 <= batch:
-                x0, x1, x2, x3 = x[b], x[b + 1], x[b + 2], x[b + 3]
-                a0 = a1 = a2 = a3 = _f32(0)
-                for k in range(k_dim):
-                    wk = w[k]
-                    a0 += wk * x0[k]
-                    a1 += wk * x1[k]
-                    a2 += wk * x2[k]
-                    a3 += wk * x3[k]
-                out[b, n] = a0
-                out[b + 1, n] = a1
-                out[b + 2, n] = a2
-                out[b + 3, n] = a3
-                b += 4
-            while b < batch:
-                x0 = x[b]
-                a0 = _f32(0)
-                for k in range(k_dim):
-                    a0 += w[k] * x0[k]
-                out[b, n] = a0
-                b += 1
+    block = max(1, min(batch, max(4, _X_BLOCK_BYTES // (16 * k_dim) * 4)))  # rows of x per pass
+    chunk = 4 * ((n_rows + 4 * n_chunks - 1) // (4 * n_chunks))  # rows per chunk, a multiple of 4
+    for c in prange((n_rows + chunk - 1) // chunk):
+        w = np.empty((4, k_dim), dtype=np.float32)
+        start = c * chunk
+        end = min(n_rows, start + chunk)
+        for b0 in range(0, batch, block):
+            xb = x[b0 : b0 + block]
+            ob = out[b0 : b0 + block]
+            n = start
+            while n + 4 <= end:
+                for r in range(4):
+                    _deq_row(qtype, data[n + r], w[r], n16)
+                _dot_4_rows(w, xb, ob, n)
+                n += 4
+            for r in range(n, end):
+                _deq_row(qtype, data[r], w[0], n16)
+                _dot_1_row(w[0], xb, ob, r)
 
 
-@numba.njit(parallel=True, **_KERNEL)
-def _dequant_tile(qtype, data, r0, tile, n16):
-    """tile[r] = dequantized row r0 + r."""
-    for r in prange(tile.shape[0]):
-        _deq_row(qtype, data[r0 + r], tile[r], n16)
+@numba.njit(inline="always", fastmath=_FASTMATH)
+def _dot_4_rows(w, x, out, n):
+    """out[:, n:n+4] = x @ w[:4].T, one activation row at a time.
+
+    Every activation row goes through this same loop whatever the batch size, so a row's result does not
+    depend on what else is in the batch (batch invariance: greedy output under load equals output alone, and
+    a cached prefix gives the same numbers as a cold prefill). A 4x4 register tile would be ~25% faster at
+    B=8, but LLVM vectorizes its reductions differently from the remainder rows', which changes the bits."""
+    w0, w1, w2, w3 = w[0], w[1], w[2], w[3]
+    for b in range(x.shape[0]):
+        x0 = x[b]
+        a0 = a1 = a2 = a3 = _f32(0)
+        for k in range(x.shape[1]):
+            y0 = x0[k]
+            a0 += w0[k] * y0
+            a1 += w1[k] * y0
+            a2 += w2[k] * y0
+            a3 += w3[k] * y0
+        out[b, n], out[b, n + 1], out[b, n + 2], out[b, n + 3] = a0, a1, a2, a3
+
+
+@numba.njit(inline="always", fastmath=_FASTMATH)
+def _dot_1_row(w0, x, out, n):
+    """out[:, n] = x @ w0"""
+    for b in range(x.shape[0]):
+        x0 = x[b]
+        acc = _f32(0)
+        for k in range(x.shape[1]):
+            acc += w0[k] * x0[k]
+        out[b, n] = acc
 
 
 @numba.njit(parallel=True, **_KERNEL)
@@ -578,5 +601,7 @@ def _dequant_rows(qtype, data, ids, out, n16):
         _deq_row(qtype, data[ids[r]], out[r], n16)
 
 
-# F32 goes to numpy; every other type has a branch in `_deq_row`.
-SUPPORTED_TYPES: frozenset[int] = frozenset({F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K})
+# Every type has a branch in `_deq_row`.
+SUPPORTED_TYPES: frozenset[int] = frozenset(
+    {F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K}
+)

@@ -1,0 +1,251 @@
+"""Which slot a turn runs in: the prefix cache's bookkeeping, with no tensors in it.
+
+A slot is one sequence's state in the model's state pool. A session id owns up to
+`conversations_per_session` slots (one per conversation: opencode sends its title request and its real
+turns under one id); a turn resumes from the owned slot whose tokens its prompt continues, and computes only
+the rest. Stateless turns (no id) use slots no session owns; the pool is sized so they always find one.
+
+`max_sessions` counts ids. A new id when that many ids are live is refused with
+429 `model_at_session_capacity`; ids idle past the TTL are reaped first, unless a watch holds them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from pantheon.errors import ApiError
+
+# A prompt "continues" a conversation when it shares at least this fraction of the conversation's tokens:
+# the re-rendered assistant reply may tokenize a little differently from what was generated.
+CONTINUATION_FRACTION = 0.5
+
+
+@dataclass
+class SlotInfo:
+    index: int
+    tokens: list[int] = field(default_factory=list)  # tokens whose state the slot holds, in order
+    session: str | None = None
+    busy: bool = False
+    last_used: float = 0.0
+
+
+@dataclass
+class Session:
+    id: str
+    slots: list[SlotInfo] = field(default_factory=list)
+    last_used: float = 0.0
+
+    @property
+    def busy(self) -> bool:
+        return any(s.busy for s in self.slots)
+
+    def most_recent(self) -> SlotInfo | None:
+        return max(self.slots, key=lambda s: s.last_used, default=None)
+
+
+@dataclass(frozen=True)
+class Assignment:
+    slot: SlotInfo
+    cached_tokens: int
+    conflict: bool = False
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    # Compare in strides first: prompts share thousands of tokens with their conversation.
+    while i + 64 <= n and a[i : i + 64] == b[i : i + 64]:
+        i += 64
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class SessionTable:
+    def __init__(self, *, n_slots: int, max_sessions: int, conversations_per_session: int = 2,
+                 idle_ttl_s: float = 12 * 3600.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.slots = [SlotInfo(i) for i in range(n_slots)]
+        self.max_sessions = max_sessions
+        self.conversations_per_session = conversations_per_session
+        self.idle_ttl_s = idle_ttl_s
+        self.clock = clock
+        self.sessions: dict[str, Session] = {}
+        # Open /session/watch connections per id (the id need not have a session yet): held ids are
+        # never reaped.
+        self.watches: dict[str, int] = {}
+
+    # -- queries -------------------------------------------------------------------------------------------
+    def live_sessions(self) -> list[str]:
+        return list(self.sessions)
+
+    def get(self, session_id: str) -> Session | None:
+        return self.sessions.get(session_id)
+
+    def _free_unowned_slot(self) -> SlotInfo | None:
+        free = [s for s in self.slots if not s.busy and s.session is None]
+        return min(free, key=lambda s: s.last_used) if free else None
+
+    # -- admission -----------------------------------------------------------------------------------------
+    def check_capacity(self, session_id: str | None, reprefill_estimate_s: float | None = None) -> None:
+        """Raise 429 model_at_session_capacity when a new id cannot get a session now."""
+        if session_id is None or session_id in self.sessions:
+            return
+        self.reap()
+        if len(self.sessions) >= self.max_sessions:
+            estimate = f"; re-prefilling a dropped session costs about {reprefill_estimate_s:.0f} s" \
+                if reprefill_estimate_s is not None else ""
+            raise ApiError(429, "model_at_session_capacity",
+                           f"all {self.max_sessions} session slots hold live sessions; retry later or release "
+                           f"one with POST /session/release{estimate}", headers={"Retry-After": "30"})
+
+    def assign(self, session_id: str | None, prompt: list[int]) -> Assignment | None:
+        """Pick the slot a turn runs in, or None when every usable slot is busy (the job keeps waiting)."""
+        now = self.clock()
+        if session_id is None:
+            slot = self._free_unowned_slot()
+            if slot is None:
+                return None
+            slot.tokens.clear()
+            return self._take(slot, 0, now)
+        session = self.sessions.get(session_id)
+        if session is None:
+            self.check_capacity(session_id)
+            slot = self._free_unowned_slot()
+            if slot is None:
+                return None
+            self._open_session(session_id, slot, now)
+            return self._take(slot, 0, now)
+        # The owned conversation this prompt continues, if any.
+        best, best_len = None, 0
+        for slot in session.slots:
+            n = common_prefix(slot.tokens, prompt)
+            if n > best_len:
+                best, best_len = slot, n
+        if best is not None and best_len >= CONTINUATION_FRACTION * len(best.tokens) and best_len > 0:
+            if not best.busy:
+                # Keep at least one prompt token to compute: its logits give the first new token.
+                cached = min(best_len, len(prompt) - 1)
+                del best.tokens[cached:]
+                session.last_used = now
+                return self._take(best, cached, now)
+            conflict = True  # the same conversation is mid-turn: this one runs cold beside it
+        else:
+            conflict = False
+        # A new conversation under this id (or a cold copy of a busy one).
+        if len(session.slots) < self.conversations_per_session:
+            slot = self._free_unowned_slot()
+            if slot is None:
+                return None
+            slot.session = session_id
+            session.slots.append(slot)
+        else:
+            idle = [s for s in session.slots if not s.busy]
+            if not idle:
+                return None
+            slot = min(idle, key=lambda s: s.last_used)
+            conflict = True  # evicting another conversation of this id: it can no longer resume
+        slot.tokens.clear()
+        session.last_used = now
+        return self._take(slot, 0, now, conflict)
+
+    def _open_session(self, session_id: str, slot: SlotInfo, now: float) -> Session:
+        session = self.sessions[session_id] = Session(session_id, last_used=now)
+        slot.session = session_id
+        slot.tokens.clear()
+        session.slots.append(slot)
+        return session
+
+    def _take(self, slot: SlotInfo, cached: int, now: float, conflict: bool = False) -> Assignment:
+        slot.busy = True
+        slot.last_used = now
+        return Assignment(slot, cached, conflict)
+
+    def finish(self, slot: SlotInfo, *, keep: bool = True) -> None:
+        """The turn on `slot` ended. Session slots keep their tokens (the cache); `keep=False` (a failed
+        turn, half-written state) empties the slot."""
+        slot.busy = False
+        slot.last_used = self.clock()
+        if slot.session is None or not keep:
+            slot.tokens.clear()
+        if slot.session is not None:
+            session = self.sessions.get(slot.session)
+            if session is not None:
+                session.last_used = slot.last_used
+
+    # -- lifetime ------------------------------------------------------------------------------------------
+    def release(self, session_id: str) -> bool:
+        """Free every slot of a session now. Busy slots are detached: their turn finishes statelessly."""
+        session = self.sessions.pop(session_id, None)
+        if session is None:
+            return False
+        for slot in session.slots:
+            slot.session = None
+            if not slot.busy:
+                slot.tokens.clear()
+        return True
+
+    def reap(self) -> list[str]:
+        """Release sessions idle longer than the TTL (never a busy or watched one)."""
+        now = self.clock()
+        expired = [s.id for s in self.sessions.values()
+                   if not s.busy and not self.watches.get(s.id) and now - s.last_used > self.idle_ttl_s]
+        for session_id in expired:
+            self.release(session_id)
+        return expired
+
+    def hold(self, session_id: str) -> None:
+        self.watches[session_id] = self.watches.get(session_id, 0) + 1
+
+    def unhold(self, session_id: str) -> int:
+        """Drop one watch; returns how many remain."""
+        left = self.watches.get(session_id, 0) - 1
+        if left > 0:
+            self.watches[session_id] = left
+        else:
+            self.watches.pop(session_id, None)
+            left = 0
+        return left
+
+    def touch(self, session_id: str) -> None:
+        session = self.sessions.get(session_id)
+        if session is not None:
+            session.last_used = self.clock()
+
+    def install(self, session_id: str, tokens: list[int]) -> SlotInfo | None:
+        """Reserve a slot for restored state: the conversation these tokens continue (replaced), else a new
+        one. Returns the slot marked busy (the caller writes the state, then calls finish), or None when the
+        id is at capacity or no slot is free. Raises ApiError for a new id over max_sessions."""
+        now = self.clock()
+        session = self.sessions.get(session_id)
+        if session is None:
+            self.check_capacity(session_id)
+            slot = self._free_unowned_slot()
+            if slot is None:
+                return None
+            self._open_session(session_id, slot, now)
+            self._take(slot, 0, now)
+            return slot
+        target = None
+        for slot in session.slots:
+            n = common_prefix(slot.tokens, tokens)
+            if slot.tokens and n >= CONTINUATION_FRACTION * len(slot.tokens) and not slot.busy:
+                target = slot
+                break
+        if target is None:
+            if len(session.slots) < self.conversations_per_session:
+                target = self._free_unowned_slot()
+                if target is None:
+                    return None
+                target.session = session_id
+                session.slots.append(target)
+            else:
+                idle = [s for s in session.slots if not s.busy]
+                if not idle:
+                    return None
+                target = min(idle, key=lambda s: s.last_used)
+        target.tokens.clear()
+        session.last_used = now
+        self._take(target, 0, now)
+        return target

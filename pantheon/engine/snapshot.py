@@ -1,0 +1,124 @@
+"""Session blobs: one slot's sequence state, serialized so it can be restored bit for bit.
+
+Layout (all integers little-endian):
+
+    magic            8 bytes   b"PNSESS\\r\\n"
+    format_version   u32       1
+    header_length    u32       length of the JSON header that follows
+    header           JSON      {"architecture", "dims" (the model's state geometry), "weights_version",
+                                "n_tokens", "arrays": [{"name", "dtype", "shape"}, ...]}
+    tokens           int32[n_tokens]
+    arrays           each array's raw bytes, in header order (C order)
+    checksum         32 bytes  BLAKE2b-256 over every byte above
+
+The arrays are whatever the architecture's sequence state is: K and V of the first n_tokens positions for
+each attention layer; conv and recurrent state for SSM layers (fixed size). A restore checks, in order:
+checksum, magic and version, architecture and dims, weights_version (a mismatch is the caller's 409), that
+the tokens match the header and the request, and that every array has exactly the declared size.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import orjson
+
+MAGIC = b"PNSESS\r\n"
+FORMAT_VERSION = 1
+_PREFIX = struct.Struct("<8sII")
+_DIGEST_BYTES = 32
+
+
+class BadBlob(ValueError):
+    """The blob is not a valid snapshot for this model (HTTP 400 bad_session_blob)."""
+
+
+class WeightsMismatch(ValueError):
+    """The blob was captured under other weights (HTTP 409 weights_version_mismatch)."""
+
+
+@dataclass
+class Snapshot:
+    architecture: str
+    dims: dict[str, Any]
+    weights_version: int
+    tokens: list[int]
+    arrays: list[tuple[str, np.ndarray]]
+
+
+def _digest(data: bytes | memoryview) -> bytes:
+    return hashlib.blake2b(data, digest_size=_DIGEST_BYTES).digest()
+
+
+def encode(snapshot: Snapshot) -> bytes:
+    header = {
+        "architecture": snapshot.architecture,
+        "dims": snapshot.dims,
+        "weights_version": snapshot.weights_version,
+        "n_tokens": len(snapshot.tokens),
+        "arrays": [{"name": n, "dtype": a.dtype.str, "shape": list(a.shape)} for n, a in snapshot.arrays],
+    }
+    header_bytes = orjson.dumps(header)
+    parts = [_PREFIX.pack(MAGIC, FORMAT_VERSION, len(header_bytes)), header_bytes,
+             np.asarray(snapshot.tokens, dtype="<i4").tobytes()]
+    parts.extend(np.ascontiguousarray(a).tobytes() for _, a in snapshot.arrays)
+    body = b"".join(parts)
+    return body + _digest(body)
+
+
+def decode(blob: bytes, *, architecture: str, dims: dict[str, Any], weights_version: int) -> Snapshot:
+    if len(blob) < _PREFIX.size + _DIGEST_BYTES:
+        raise BadBlob("blob is truncated (shorter than its fixed header)")
+    body, digest = memoryview(blob)[:-_DIGEST_BYTES], blob[-_DIGEST_BYTES:]
+    if _digest(body) != digest:
+        raise BadBlob("blob checksum does not match (corrupt or truncated)")
+    magic, version, header_len = _PREFIX.unpack_from(blob, 0)
+    if magic != MAGIC:
+        raise BadBlob("not a Pantheon session blob (bad magic)")
+    if version != FORMAT_VERSION:
+        raise BadBlob(f"unsupported blob format version {version} (this server reads {FORMAT_VERSION})")
+    offset = _PREFIX.size
+    try:
+        header = orjson.loads(bytes(body[offset : offset + header_len]))
+    except orjson.JSONDecodeError:
+        raise BadBlob("blob header is not valid JSON") from None
+    offset += header_len
+    if not isinstance(header, dict):
+        raise BadBlob("blob header is not an object")
+    if header.get("architecture") != architecture:
+        raise BadBlob(f"blob is for architecture {header.get('architecture')!r}, this model is {architecture!r}")
+    if header.get("dims") != dims:
+        raise BadBlob(f"blob state geometry {header.get('dims')} does not fit this model {dims}")
+    if header.get("weights_version") != weights_version:
+        raise WeightsMismatch(f"blob was captured under weights_version {header.get('weights_version')}, "
+                              f"this model has {weights_version}")
+    n_tokens = header.get("n_tokens")
+    if not isinstance(n_tokens, int) or n_tokens < 0:
+        raise BadBlob("blob header has no valid n_tokens")
+    end = offset + 4 * n_tokens
+    if end > len(body):
+        raise BadBlob("blob is shorter than its token list")
+    tokens = np.frombuffer(body[offset:end], dtype="<i4").tolist()
+    offset = end
+    arrays: list[tuple[str, np.ndarray]] = []
+    for spec in header.get("arrays", []):
+        try:
+            dtype = np.dtype(spec["dtype"])
+            shape = tuple(int(d) for d in spec["shape"])
+            name = str(spec["name"])
+        except (KeyError, TypeError, ValueError):
+            raise BadBlob("blob header has a malformed array entry") from None
+        if any(d < 0 for d in shape):
+            raise BadBlob(f"array {name} has a negative dimension")
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if offset + nbytes > len(body):
+            raise BadBlob(f"blob is truncated inside array {name}")
+        arrays.append((name, np.frombuffer(body[offset : offset + nbytes], dtype=dtype).reshape(shape)))
+        offset += nbytes
+    if offset != len(body):
+        raise BadBlob(f"blob has {len(body) - offset} unexpected trailing bytes")
+    return Snapshot(architecture, dims, weights_version, tokens, arrays)

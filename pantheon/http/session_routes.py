@@ -1,0 +1,160 @@
+"""Session routes: export, restore, release, estimate, watch (spec: "Session routes")."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import urllib.parse
+from typing import Any
+
+import trio
+
+from pantheon.errors import ApiError, invalid_request
+from pantheon.http.asgi import Receive, Send, headers_of, parse_json_body, read_body, send_json, start_sse
+from pantheon.sched import session_ops
+from pantheon.sched.registry import ModelInstance, Registry
+
+DEFAULT_BLOB_BYTES_PER_TOKEN = 16 * 1024
+DEFAULT_UPLOAD_BPS = 12.5e6
+MAX_WATCHES = 256
+
+
+def _instance(registry: Registry, name: Any) -> ModelInstance:
+    if name is not None and not isinstance(name, str):
+        raise invalid_request("'name' must be a string")
+    instance = registry.find(name)
+    if instance is None:
+        if not registry.instances:
+            raise ApiError(503, "no_models_loaded", "no model is loaded")
+        raise ApiError(404, "model_not_found", f"model {name!r} is not loaded")
+    return instance
+
+
+async def _json_object(receive: Receive) -> dict[str, Any]:
+    body = parse_json_body(await read_body(receive))
+    if not isinstance(body, dict):
+        raise invalid_request("request body must be a JSON object")
+    return body
+
+
+def _session_id(body: dict[str, Any], scope: dict[str, Any] | None) -> str:
+    session_id = body.get("session_id")
+    if session_id is None and scope is not None:
+        session_id = headers_of(scope).get("x-session-id")
+    if not isinstance(session_id, str) or not session_id:
+        raise invalid_request("'session_id' is required")
+    return session_id
+
+
+async def export(registry: Registry, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+    body = await _json_object(receive)
+    session_id = _session_id(body, None)  # export reads the body only
+    instance = _instance(registry, body.get("name"))
+    exported = await session_ops.export_session(instance.scheduler, session_id)
+    await send_json(send, 200, {
+        "session_id": session_id,
+        "weights_version": exported.weights_version,
+        "n_tok": len(exported.tokens),
+        "blob_bytes": len(exported.blob),
+        "blob_b64": base64.b64encode(exported.blob).decode("ascii"),
+        "tokens": exported.tokens,
+    })
+
+
+async def restore(registry: Registry, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+    body = await _json_object(receive)
+    session_id = _session_id(body, scope)
+    blob_b64, tokens = body.get("blob"), body.get("tokens")
+    if blob_b64 is None or tokens is None:
+        raise invalid_request("'blob' and 'tokens' are required")
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        raise invalid_request("'tokens' must be an array of integers")
+    instance = _instance(registry, body.get("name"))
+    if not isinstance(blob_b64, str):
+        raise ApiError(400, "bad_session_blob", "'blob' must be a base64 string")
+    try:
+        blob = base64.b64decode(blob_b64, validate=True)
+    except (binascii.Error, ValueError):
+        raise ApiError(400, "bad_session_blob", "'blob' is not valid base64") from None
+    n_tok = await session_ops.restore_session(instance.scheduler, session_id, blob, tokens)
+    await send_json(send, 200, {"restored": True, "session_id": session_id, "n_tok": n_tok})
+
+
+async def release(registry: Registry, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+    body = await _json_object(receive)
+    session_id = _session_id(body, scope)
+    instance = _instance(registry, body.get("name"))
+    instance.scheduler.sessions.release(session_id)  # idempotent: unknown ids are fine
+    await send_json(send, 200, {"released": True, "session_id": session_id})
+
+
+def _query(scope: dict[str, Any]) -> dict[str, str]:
+    raw = scope.get("query_string", b"").decode("latin-1")
+    return {k: v[-1] for k, v in urllib.parse.parse_qs(raw, keep_blank_values=True).items()}
+
+
+def _positive_number(query: dict[str, str], key: str) -> float | None:
+    if key not in query:
+        return None
+    try:
+        value = float(query[key])
+    except ValueError:
+        raise invalid_request(f"'{key}' must be a number") from None
+    if not value > 0:
+        raise invalid_request(f"'{key}' must be positive")
+    return value
+
+
+async def estimate(registry: Registry, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+    query = _query(scope)
+    if "tokens" not in query:
+        raise invalid_request("'tokens' is required")
+    try:
+        tokens = int(query["tokens"])
+    except ValueError:
+        raise invalid_request("'tokens' must be a positive integer") from None
+    if tokens <= 0:
+        raise invalid_request("'tokens' must be a positive integer")
+    blob_bytes = _positive_number(query, "blob_bytes")
+    upload_bps = _positive_number(query, "upload_bps") or DEFAULT_UPLOAD_BPS
+    instance = registry.find(query.get("name")) if registry.instances else None
+    if instance is not None:
+        rate = instance.scheduler.prefill_tok_per_s or instance.scheduler.reprefill_estimate_fallback()
+        model = instance.name
+    else:
+        from pantheon.sched.scheduler import FALLBACK_PREFILL_TOK_S
+
+        rate, model = FALLBACK_PREFILL_TOK_S, ""
+    blob_est = int(blob_bytes) if blob_bytes is not None else tokens * DEFAULT_BLOB_BYTES_PER_TOKEN
+    await send_json(send, 200, {
+        "model": model,
+        "tokens": tokens,
+        "prefill_tok_per_s": round(rate, 2),
+        "cold_reprefill_s": round(tokens / rate, 3),
+        "warm_restore_s": round(blob_est / upload_bps, 3),
+        "blob_bytes_est": blob_est,
+    })
+
+
+async def watch(registry: Registry, grace_s: float, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+    query = _query(scope)
+    session_id = query.get("session_id") or headers_of(scope).get("x-session-id")
+    if not session_id:
+        raise invalid_request("'session_id' is required")
+    instance = _instance(registry, query.get("name"))
+    scheduler = instance.scheduler
+    table = scheduler.sessions
+    if sum(table.watches.values()) >= MAX_WATCHES or scheduler.watch_nursery is None:
+        raise ApiError(503, "watch_unavailable", "the watch table is full" if scheduler.watch_nursery
+                       else "the watch manager is not running")
+    table.hold(session_id)
+    try:
+        await start_sse(send)
+        await send({"type": "http.response.body", "body": b": watch established\n\n", "more_body": True})
+        while (await receive())["type"] != "http.disconnect":
+            pass
+    finally:
+        with trio.CancelScope(shield=True):
+            if table.unhold(session_id) == 0:
+                table.touch(session_id)
+                scheduler.start_watch_grace(session_id, grace_s)

@@ -1,0 +1,95 @@
+"""Session export, restore and release on one model instance: the slot state <-> blob round trip.
+
+Runs on the event loop; the copying and (de)serialization run in a worker thread. A slot being read or
+written is marked busy, so the scheduler never admits a turn into it meanwhile.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import trio
+
+from pantheon.engine import snapshot
+from pantheon.errors import ApiError
+from pantheon.sched.scheduler import Scheduler
+
+
+@dataclass(frozen=True)
+class ExportedSession:
+    session_id: str
+    weights_version: int
+    tokens: list[int]
+    blob: bytes
+
+
+def _bad_blob(message: str) -> ApiError:
+    return ApiError(400, "bad_session_blob", message)
+
+
+async def export_session(scheduler: Scheduler, session_id: str) -> ExportedSession:
+    table = scheduler.sessions
+    session = table.get(session_id)
+    if session is None or not any(s.tokens for s in session.slots):
+        raise ApiError(404, "session_not_found", f"no live session {session_id!r}")
+    if session.busy:
+        raise ApiError(429, "session_busy", f"a turn is in flight on session {session_id!r}; retry after it completes",
+                       headers={"Retry-After": "1"})
+    slot = max((s for s in session.slots if s.tokens), key=lambda s: s.last_used)
+    tokens = list(slot.tokens)
+    served = scheduler.served
+    slot.busy = True
+    try:
+        def serialize() -> bytes:
+            arrays = served.model.read_slot(scheduler.state, slot.index, len(tokens))
+            return snapshot.encode(snapshot.Snapshot(served.architecture, served.model.state_dims(),
+                                                     served.weights_version, tokens, arrays))
+
+        blob = await trio.to_thread.run_sync(serialize)
+    except MemoryError:
+        raise ApiError(500, "server_error", "out of memory while serializing the session") from None
+    finally:
+        slot.busy = False
+    return ExportedSession(session_id, served.weights_version, tokens, blob)
+
+
+async def restore_session(scheduler: Scheduler, session_id: str, blob: bytes, tokens: list[int]) -> int:
+    """Validate everything first (a rejected restore changes no live state), then install."""
+    served = scheduler.served
+    model = served.model
+
+    def parse() -> snapshot.Snapshot:
+        return snapshot.decode(blob, architecture=served.architecture, dims=model.state_dims(),
+                               weights_version=served.weights_version)
+
+    try:
+        snap = await trio.to_thread.run_sync(parse)
+    except snapshot.WeightsMismatch as exc:
+        raise ApiError(409, "weights_version_mismatch", f"{exc}; replay the conversation instead") from None
+    except snapshot.BadBlob as exc:
+        raise _bad_blob(str(exc)) from None
+    if snap.tokens != tokens:
+        raise _bad_blob(f"the request's tokens ({len(tokens)}) disagree with the blob's ({len(snap.tokens)})")
+    n = len(tokens)
+    if n == 0:
+        raise _bad_blob("the blob holds no tokens")
+    if n >= scheduler.kv_cap:
+        raise _bad_blob(f"the blob holds {n} tokens; this model's context window is {scheduler.kv_cap}")
+    expected = model.slot_layout(n)
+    got = [(name, tuple(a.shape)) for name, a in snap.arrays]
+    if got != expected or any(a.dtype != model.state_dtype for _, a in snap.arrays):
+        raise _bad_blob("the blob's state arrays do not fit this model")
+    if any(t < 0 or t >= model.vocab_size for t in tokens):
+        raise _bad_blob("the blob's tokens are outside this model's vocabulary")
+    slot = scheduler.sessions.install(session_id, tokens)
+    if slot is None:
+        raise ApiError(429, "model_at_session_capacity", "no free session slot to restore into",
+                       headers={"Retry-After": "30"})
+    try:
+        await trio.to_thread.run_sync(model.write_slot, scheduler.state, slot.index, snap.arrays, n)
+    except BaseException:
+        scheduler.sessions.finish(slot, keep=False)
+        raise
+    slot.tokens[:] = tokens
+    scheduler.sessions.finish(slot)
+    return n

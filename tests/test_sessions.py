@@ -1,0 +1,131 @@
+"""The session table: prefix reuse, several conversations per id, capacity, TTL, release, install."""
+
+from __future__ import annotations
+
+import pytest
+
+from pantheon.engine.sessions import SessionTable
+from pantheon.errors import ApiError
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def table(**kw: object) -> tuple[SessionTable, Clock]:
+    clock = Clock()
+    args = {"n_slots": 6, "max_sessions": 2, "idle_ttl_s": 100.0, "clock": clock}
+    args.update(kw)
+    return SessionTable(**args), clock  # type: ignore[arg-type]
+
+
+def run_turn(t: SessionTable, session: str | None, prompt: list[int], generated: list[int]) -> int:
+    a = t.assign(session, prompt)
+    assert a is not None
+    a.slot.tokens[:] = prompt + generated  # what the scheduler commits
+    t.finish(a.slot)
+    return a.cached_tokens
+
+
+def test_second_turn_reuses_the_conversation() -> None:
+    t, _ = table()
+    turn1 = list(range(100))
+    assert run_turn(t, "s", turn1, [500, 501, 502]) == 0
+    turn2 = turn1 + [500, 501, 777, 778]  # the reply re-tokenized a little differently, then a new message
+    assert run_turn(t, "s", turn2, [9]) == 102
+
+
+def test_cache_always_leaves_a_token_to_compute() -> None:
+    t, _ = table()
+    prompt = list(range(50))
+    run_turn(t, "s", prompt, [])
+    assert run_turn(t, "s", prompt, []) == 49
+
+
+def test_stateless_turns_keep_nothing() -> None:
+    t, _ = table()
+    run_turn(t, None, list(range(30)), [1])
+    assert run_turn(t, None, list(range(30)), [1]) == 0
+    assert t.live_sessions() == []
+
+
+def test_two_conversations_under_one_id_each_resume() -> None:
+    t, _ = table()
+    title = [1, 2, 3] + list(range(1000, 1040))
+    main = [1, 2, 3] + list(range(2000, 2100))
+    run_turn(t, "s", title, [7])
+    run_turn(t, "s", main, [8])
+    assert run_turn(t, "s", main + [8, 50], [9]) == 104
+    assert run_turn(t, "s", title + [7, 60], [9]) == 44
+    a = t.assign("s", main + [8, 50, 9, 70])
+    assert a is not None and not a.conflict
+
+
+def test_third_conversation_evicts_and_reports_conflict() -> None:
+    t, clock = table()
+    for base in (1000, 2000):
+        clock.now += 1
+        run_turn(t, "s", list(range(base, base + 50)), [])
+    clock.now += 1
+    a = t.assign("s", list(range(3000, 3050)))
+    assert a is not None and a.conflict and a.cached_tokens == 0
+
+
+def test_busy_conversation_runs_cold_beside_it() -> None:
+    t, _ = table()
+    prompt = list(range(60))
+    run_turn(t, "s", prompt, [])
+    first = t.assign("s", prompt + [1])
+    second = t.assign("s", prompt + [2])
+    assert first is not None and second is not None
+    assert first.cached_tokens == 60 and second.cached_tokens == 0 and second.conflict
+    assert first.slot is not second.slot
+
+
+def test_capacity_counts_ids() -> None:
+    t, _ = table()
+    run_turn(t, "a", [1, 2, 3], [])
+    run_turn(t, "b", [1, 2, 3], [])
+    with pytest.raises(ApiError) as info:
+        t.assign("c", [1, 2, 3])
+    assert info.value.status == 429 and info.value.error_type == "model_at_session_capacity"
+    assert info.value.headers["Retry-After"] == "30"
+    run_turn(t, None, [1, 2, 3], [])  # stateless turns are not sessions
+
+
+def test_idle_sessions_are_reaped_after_the_ttl_unless_watched() -> None:
+    t, clock = table()
+    run_turn(t, "a", [1, 2, 3], [])
+    run_turn(t, "b", [1, 2, 3], [])
+    t.hold("b")
+    clock.now += 101
+    assert t.reap() == ["a"]
+    assert t.live_sessions() == ["b"]
+    assert t.assign("c", [4, 5]) is not None  # the reaped id's room is free
+
+
+def test_release_is_idempotent_and_frees_slots() -> None:
+    t, _ = table()
+    run_turn(t, "a", list(range(20)), [])
+    assert t.release("a") and not t.release("a")
+    assert all(s.session is None and not s.tokens for s in t.slots)
+
+
+def test_install_replaces_the_conversation_it_continues() -> None:
+    t, _ = table()
+    run_turn(t, "a", list(range(40)), [])
+    slot = t.install("a", list(range(45)))
+    assert slot is not None and slot.busy and slot.session == "a"
+    assert len(t.get("a").slots) == 1
+
+
+def test_a_new_session_without_a_free_slot_is_not_left_behind() -> None:
+    t, _ = table(n_slots=1, max_sessions=2)
+    held = t.assign(None, [1])
+    assert held is not None
+    assert t.assign("x", [1, 2]) is None
+    assert t.live_sessions() == []
