@@ -189,13 +189,14 @@ class LlamaModel:
         for row in batch:
             if row.start_pos + len(row.tokens) > state.ctx_cap:
                 raise ValueError(f"slot {row.slot}: {row.start_pos}+{len(row.tokens)} tokens exceed ctx {state.ctx_cap}")
-        tokens = np.concatenate([r.tokens for r in batch]).astype(np.int64)
-        positions = np.concatenate(
-            [np.arange(r.start_pos, r.start_pos + len(r.tokens), dtype=np.int32) for r in batch])
-        offsets = np.cumsum([0] + [len(r.tokens) for r in batch])
-        n_tok = tokens.size
+        lengths = [len(r.tokens) for r in batch]
+        offsets = np.cumsum([0, *lengths])
+        n_tok = int(offsets[-1])
         decode_only = n_tok == len(batch)
-        slot_ids = np.array([r.slot for r in batch], dtype=np.int32)
+        tokens = be.upload(np.concatenate([r.tokens for r in batch]).astype(np.int64))
+        positions = be.upload(np.concatenate(
+            [np.arange(r.start_pos, r.start_pos + n, dtype=np.int32) for r, n in zip(batch, lengths)]))
+        token_slots = be.upload(np.repeat(np.array([r.slot for r in batch], dtype=np.int32), lengths))
         scale = 1.0 / float(np.sqrt(c.head_dim))
 
         x = be.embed(self.tok_embd, tokens)
@@ -207,18 +208,15 @@ class LlamaModel:
             be.rope_inplace(q, positions, c.rope_dim, c.rope_base, False, c.rope_scale)
             be.rope_inplace(k, positions, c.rope_dim, c.rope_base, False, c.rope_scale)
             k_pool, v_pool = state.k[li], state.v[li]
+            be.kv_write(k_pool, token_slots, positions, k)
+            be.kv_write(v_pool, token_slots, positions, v)
             if decode_only:
                 # One token per sequence: one batched launch over (sequence, head).
-                k_pool[slot_ids, positions] = k
-                v_pool[slot_ids, positions] = v
-                attn = be.attention_decode_batch(q, k_pool, v_pool, positions, scale, slot_ids=slot_ids)
+                attn = be.attention_decode_batch(q, k_pool, v_pool, positions, scale, slot_ids=token_slots)
             else:
-                attn = np.empty((n_tok, c.n_heads, c.head_dim), dtype=np.float32)
-                for ri, row in enumerate(batch):
-                    a, b = offsets[ri], offsets[ri + 1]
-                    k_pool[row.slot, row.start_pos : row.start_pos + b - a] = k[a:b]
-                    v_pool[row.slot, row.start_pos : row.start_pos + b - a] = v[a:b]
-                    attn[a:b] = be.attention(q[a:b], k_pool[row.slot], v_pool[row.slot], row.start_pos, scale)
+                attn = be.empty((n_tok, c.n_heads, c.head_dim))
+                for row, a, b in zip(batch, offsets[:-1], offsets[1:]):
+                    be.attention(q[a:b], k_pool, v_pool, row.slot, row.start_pos, scale, out=attn[a:b])
             o = be.matmul(blk.wo, attn.reshape(n_tok, c.n_heads * c.head_dim))
             be.add_rmsnorm(x, o, blk.ffn_norm, c.rms_eps, h)
             ff = be.swiglu(be.matmul(blk.w_gate, h), be.matmul(blk.w_up, h))
@@ -227,14 +225,13 @@ class LlamaModel:
             be.add_rmsnorm(x, d, next_norm, c.rms_eps, h)
 
         # h now holds output_norm(x) for every position; keep only the rows that need logits.
-        wanted = []
-        for ri, row in enumerate(batch):
-            a, b = offsets[ri], offsets[ri + 1]
+        wanted: list[int] = []
+        for row, a, b in zip(batch, offsets[:-1], offsets[1:]):
             if row.logits == "all":
                 wanted.extend(range(a, b))
             elif row.logits == "last":
                 wanted.append(b - 1)
         if not wanted:
             return np.empty((0, c.vocab_size), dtype=np.float32)
-        rows = h if len(wanted) == n_tok else np.ascontiguousarray(h[wanted])
-        return be.matmul(self.output, rows)[:, : c.vocab_size]
+        rows = h if len(wanted) == n_tok else be.gather_rows(h, be.upload(np.array(wanted, dtype=np.int64)))
+        return be.to_host(be.matmul(self.output, rows))[:, : c.vocab_size]

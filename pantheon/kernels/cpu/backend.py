@@ -5,6 +5,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from pantheon.errors import ModelLoadError
 from pantheon.io.gguf_file import GGUFFile
 from pantheon.kernels.cpu import ops, quant
 from pantheon.kernels.cpu.quant import QWeight
@@ -22,7 +23,10 @@ class CpuBackend:
     # -- weights -------------------------------------------------------------------------------------------
     def weight(self, gguf: GGUFFile, name: str) -> QWeight:
         info = gguf.tensors[name]
-        return quant.prepare_weight(gguf.tensor_bytes(name), info.qtype, info.rows, info.cols)
+        try:
+            return quant.prepare_weight(gguf.tensor_bytes(name), info.qtype, info.rows, info.cols)
+        except ValueError as exc:  # UnsupportedTensorType included
+            raise ModelLoadError(f"{gguf.path}: tensor {name!r}: {exc}") from None
 
     def vector(self, gguf: GGUFFile, name: str) -> np.ndarray:
         """A small 1-D tensor (norm weights) as float32."""
@@ -40,11 +44,34 @@ class CpuBackend:
     def zeros(self, shape: tuple[int, ...], dtype: type = np.float32) -> np.ndarray:
         return np.zeros(shape, dtype=dtype)
 
+    def empty(self, shape: tuple[int, ...], dtype: type = np.float32) -> np.ndarray:
+        return np.empty(shape, dtype=dtype)
+
+    @staticmethod
+    def upload(host: np.ndarray) -> np.ndarray:
+        return host
+
+    @staticmethod
+    def to_host(array: np.ndarray) -> np.ndarray:
+        return array
+
+    @staticmethod
+    def gather_rows(x: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(x[rows])
+
+    @staticmethod
+    def kv_write(pool: np.ndarray, slots: np.ndarray, positions: np.ndarray, values: np.ndarray) -> None:
+        pool[slots, positions] = values
+
+    @staticmethod
+    def attention(q: np.ndarray, k_pool: np.ndarray, v_pool: np.ndarray, slot: int, start_pos: int, scale: float,
+                  out: np.ndarray | None = None) -> np.ndarray:
+        return ops.attention(q, k_pool[slot], v_pool[slot], start_pos, scale, out)
+
     matmul = staticmethod(quant.matmul)
     embed = staticmethod(quant.dequantize_rows)
     rmsnorm = staticmethod(ops.rmsnorm)
     add_rmsnorm = staticmethod(ops.add_rmsnorm)
     rope_inplace = staticmethod(ops.rope_inplace)
     swiglu = staticmethod(ops.swiglu)
-    attention = staticmethod(ops.attention)
     attention_decode_batch = staticmethod(ops.attention_decode_batch)

@@ -1,0 +1,73 @@
+"""The ops interface every backend implements; model code calls only these (never numba or numpy-on-device).
+
+Arrays are the backend's own (numpy on the cpu backend, device arrays on cuda): model code may reshape and
+slice them (contiguous views) but computes only through these methods. Host data crosses with `upload` and
+`to_host`. Shapes use T = tokens in the step, D = model width; float32 everywhere unless stated.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import numpy as np
+
+from pantheon.io.gguf_file import GGUFFile
+
+Array = Any  # numpy.ndarray on cpu, a device array on cuda
+
+
+class Backend(Protocol):
+    name: str  # "cpu" | "cuda"
+    accelerator: bool  # True when forward passes run on an accelerator
+
+    # -- weights and memory --------------------------------------------------------------------------------
+    def weight(self, gguf: GGUFFile, name: str) -> Any:
+        """A matrix (rows x cols) kept in its GGUF block format, for `matmul` and `embed`."""
+
+    def vector(self, gguf: GGUFFile, name: str) -> Array:
+        """A small tensor (norm weights, biases) as float32, flattened."""
+
+    def zeros(self, shape: tuple[int, ...], dtype: Any = np.float32) -> Array: ...
+
+    def empty(self, shape: tuple[int, ...], dtype: Any = np.float32) -> Array: ...
+
+    def upload(self, host: np.ndarray) -> Array:
+        """A host array (token ids, positions, slot ids) as a backend array."""
+
+    def to_host(self, array: Array) -> np.ndarray: ...
+
+    def begin_step(self) -> None:
+        """Called at the start of every forward step, on the thread that runs it."""
+
+    # -- ops -----------------------------------------------------------------------------------------------
+    def matmul(self, w: Any, x: Array, out: Array | None = None) -> Array:
+        """x (T, K) @ W.T -> (T, N). A row's result does not depend on the other rows (batch invariance)."""
+
+    def embed(self, w: Any, ids: Array) -> Array:
+        """Rows `ids` of W, dequantized: (len(ids), K)."""
+
+    def gather_rows(self, x: Array, rows: Array) -> Array:
+        """x[rows] as a new contiguous array."""
+
+    def rmsnorm(self, x: Array, weight: Array, eps: float, out: Array | None = None) -> Array: ...
+
+    def add_rmsnorm(self, residual: Array, delta: Array, weight: Array, eps: float, out: Array) -> None:
+        """residual += delta; out = rmsnorm(residual)."""
+
+    def rope_inplace(self, x: Array, positions: Array, n_rot: int, freq_base: float, neox: bool,
+                     freq_scale: float = 1.0) -> None:
+        """Rotate the first n_rot dims of every head of x (T, H, hd) by its token's position."""
+
+    def swiglu(self, gate: Array, up: Array, out: Array | None = None) -> Array:
+        """silu(gate) * up."""
+
+    def kv_write(self, pool: Array, slots: Array, positions: Array, values: Array) -> None:
+        """pool[slots[t], positions[t]] = values[t] for every token t; pool is (S, ctx, H, hd)."""
+
+    def attention(self, q: Array, k_pool: Array, v_pool: Array, slot: int, start_pos: int, scale: float,
+                  out: Array | None = None) -> Array:
+        """Causal GQA of one sequence's T queries (T, Hq, hd) at positions start_pos.. over its slot's cache."""
+
+    def attention_decode_batch(self, q: Array, k_pool: Array, v_pool: Array, positions: Array, scale: float,
+                               out: Array | None = None, *, slot_ids: Array) -> Array:
+        """One query per sequence (B, Hq, hd); sequence b attends to rows 0..positions[b] of slot slot_ids[b]."""
