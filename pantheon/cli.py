@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 from pathlib import Path
+from typing import Any
 
 from pantheon.config import (
     DEFAULT_HOST,
@@ -26,20 +27,68 @@ def _model_spec(spec: str) -> tuple[Path, str]:
     return Path(raw_path).expanduser(), name or Path(raw_path).name.removesuffix(".gguf")
 
 
+def _add_model_flags(parser: argparse.ArgumentParser, *, defaults: bool) -> None:
+    """The per-model options (the same set POST /admin/models/load takes)."""
+    d = (lambda v: v) if defaults else (lambda v: argparse.SUPPRESS)
+    parser.add_argument("--ctx-cap", type=int, default=d(0), help="per-session context window in tokens")
+    parser.add_argument("--max-sessions", type=int, default=d(0), help="sessions that may hold KV at once (default 4)")
+    parser.add_argument("--max-concurrent", type=int, default=d(0),
+                        help="requests decoded at once (default: max-sessions)")
+    parser.add_argument("--reasoning-budget", type=int, default=d(0), help="force </think> after N reasoning tokens")
+    parser.add_argument("--dies", type=_dies, default=d(()), help="accelerator dies for the model, e.g. 0,1")
+    parser.add_argument("--quantize", action="store_true", default=d(False), help="INT8-quantize float weights at load")
+
+
+def _dies(value: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in value.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--dies wants comma-separated integers, got {value!r}") from None
+
+
+MODEL_FLAGS = {"--ctx-cap", "--max-sessions", "--max-concurrent", "--reasoning-budget", "--dies", "--quantize"}
+
+
+def _split_models(argv: list[str]) -> tuple[list[str], list[tuple[str, list[str]]]]:
+    """Per-model flags that follow a --model attach to that model; before the first --model they are defaults
+    for every model. Returns (the other arguments, [(model spec, its flags)])."""
+    rest: list[str] = []
+    models: list[tuple[str, list[str]]] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        flag, eq, inline = arg.partition("=")
+        if flag == "--model":
+            if not eq and i + 1 >= len(argv):
+                raise SystemExit("pantheon serve: --model needs PATH[:NAME]")
+            models.append((inline if eq else argv[i + 1], []))
+            i += 1 if eq else 2
+            continue
+        if models and flag in MODEL_FLAGS:
+            takes_value = flag != "--quantize" and not eq
+            models[-1][1].extend(argv[i : i + (2 if takes_value else 1)])
+            i += 2 if takes_value else 1
+            continue
+        rest.append(arg)
+        i += 1
+    return rest, models
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pantheon", description="OpenAI-compatible server for GGUF models")
     parser.add_argument("--backend", action="store_true", help="print the compiled backend (cpu or cuda) and exit")
     sub = parser.add_subparsers(dest="command")
 
-    serve = sub.add_parser("serve", help="serve models over HTTP")
+    serve = sub.add_parser("serve", help="serve models over HTTP",
+                           epilog="Per-model flags after a --model apply to that model only; before the first "
+                                  "--model they are defaults for every model.")
     serve.add_argument("--model", action="append", default=[], metavar="PATH[:NAME]",
                        help="a GGUF file to serve (repeatable); default: the embedded SmolLM2-135M-Instruct")
+    serve.add_argument("--no-model", action="store_true",
+                       help="start with no model (load them later with POST /admin/models/load)")
     serve.add_argument("--host", default=DEFAULT_HOST)
     serve.add_argument("--port", type=int, default=DEFAULT_PORT)
-    serve.add_argument("--ctx-cap", type=int, default=0, help="per-session context window in tokens")
-    serve.add_argument("--max-sessions", type=int, default=0, help="sessions that may hold KV at once (default 4)")
-    serve.add_argument("--max-concurrent", type=int, default=0, help="requests decoded at once (default: max-sessions)")
-    serve.add_argument("--reasoning-budget", type=int, default=0, help="force </think> after N reasoning tokens")
+    _add_model_flags(serve, defaults=True)
     serve.add_argument("--threads", type=int, default=0, help="compute threads (default: the cores available)")
     serve.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight turns get at shutdown")
     serve.add_argument("--session-dir", type=Path, default=None,
@@ -50,25 +99,45 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _serve(args: argparse.Namespace) -> int:
-    import trio
+def _model_options(args: argparse.Namespace, spec: str | None, flags: list[str], env: Any) -> ModelOptions:
+    per_model = argparse.ArgumentParser(prog=f"pantheon serve --model {spec}")
+    _add_model_flags(per_model, defaults=False)
+    own = vars(per_model.parse_args(flags))
+    if spec is None:
+        path, name = pull_default(env), DEFAULT_MODEL_NAME
+    else:
+        path, name = _model_spec(spec)
 
-    from pantheon.http.server import serve
+    def pick(key: str) -> Any:
+        return own.get(key, getattr(args, key))
+
+    return ModelOptions(path=path, name=name, ctx_cap=pick("ctx_cap"), max_sessions=pick("max_sessions"),
+                        max_concurrent=pick("max_concurrent"), reasoning_budget=pick("reasoning_budget"),
+                        dies=pick("dies"), quantize=pick("quantize"))
+
+
+def pull_default(env: Any) -> Path:
     from pantheon.pull import PullError, pull_default_model
 
+    try:
+        return pull_default_model(env)
+    except PullError as exc:
+        raise SystemExit(f"pantheon: {exc}") from None
+
+
+def _serve(args: argparse.Namespace, model_specs: list[tuple[str, list[str]]]) -> int:
+    import trio
+
+    from pantheon.errors import ModelLoadError
+    from pantheon.http.server import serve
+
     env = read_env()
-    specs = [_model_spec(m) for m in args.model]
-    if not specs:
-        try:
-            specs = [(pull_default_model(env), DEFAULT_MODEL_NAME)]
-        except PullError as exc:
-            print(f"pantheon: {exc}", file=sys.stderr)
-            return 1
-    models = tuple(
-        ModelOptions(path=path, name=name, ctx_cap=args.ctx_cap, max_sessions=args.max_sessions,
-                     max_concurrent=args.max_concurrent, reasoning_budget=args.reasoning_budget)
-        for path, name in specs
-    )
+    if args.no_model:
+        models: tuple[ModelOptions, ...] = ()
+    elif not model_specs:
+        models = (_model_options(args, None, [], env),)
+    else:
+        models = tuple(_model_options(args, spec, flags, env) for spec, flags in model_specs)
     for m in models:
         if not m.path.is_file():
             print(f"pantheon: model file not found: {m.path}", file=sys.stderr)
@@ -76,19 +145,25 @@ def _serve(args: argparse.Namespace) -> int:
     options = ServeOptions(host=args.host, port=args.port, models=models, threads=args.threads,
                            drain_timeout_s=args.drain_timeout, session_dir=args.session_dir, env=env)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from pantheon.errors import ModelLoadError
-
+    failed: list[BaseException] = []
     try:
         trio.run(serve, options)
-    except ModelLoadError as exc:
-        print(f"pantheon: cannot load model: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
+    except* ModelLoadError as group:
+        failed.extend(group.exceptions)
+    except* KeyboardInterrupt:
         pass
-    return 0
+    for exc in failed:
+        print(f"pantheon: cannot load model: {exc}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    model_specs: list[tuple[str, list[str]]] = []
+    if "serve" in argv:
+        at = argv.index("serve") + 1
+        rest, model_specs = _split_models(argv[at:])
+        argv = argv[:at] + rest
     args = _parser().parse_args(argv)
     if args.backend:
         from pantheon.buildinfo import compiled_backend
@@ -105,6 +180,6 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         return 0
     if args.command == "serve":
-        return _serve(args)
+        return _serve(args, model_specs)
     _parser().print_help()
     return 2

@@ -64,6 +64,8 @@ class EnvKnobs:
     mem_critical_pct: float = 4.0
     mem_poll_ms: int = 1000
     meminfo_path: Path = Path("/proc/meminfo")
+    # Host memory that model admission may plan against; 0 = the MemAvailable reading at load time.
+    host_budget_bytes: int = 0
 
     @property
     def default_model_path(self) -> Path:
@@ -102,6 +104,7 @@ def read_env(environ: Mapping[str, str] | None = None) -> EnvKnobs:
         mem_critical_pct=_float_env(env, "PN_MEM_CRITICAL_PCT", 4.0),
         mem_poll_ms=max(50, _int_env(env, "PN_MEM_POLL_MS", 1000)),
         meminfo_path=Path(env.get("PN_MEMINFO_PATH") or "/proc/meminfo"),
+        host_budget_bytes=max(0, _int_env(env, "PN_HOST_BUDGET_BYTES", 0)),
     )
 
 

@@ -15,6 +15,8 @@ from pantheon.chat.output import ChoiceOutput, Delta
 from pantheon.chat.prompt import Prompt, build_prompt
 from pantheon.chat.request import ChatRequest
 from pantheon.config import EnvKnobs
+from pantheon.engine.constraints import Controllers, ReasoningBudget
+from pantheon.engine.loader import LoadedModel
 from pantheon.engine.sampling import SamplingParams
 from pantheon.errors import ApiError
 from pantheon.sched.jobs import ErrorEvent, FinishEvent, GenerationJob, TokenEvent, Usage
@@ -71,7 +73,8 @@ def start_completion(instance: ModelInstance, request: ChatRequest, env: EnvKnob
     stop_ids = served.tokenizer.stop_ids
     for i in range(request.n):
         job = GenerationJob(prompt=prompt.tokens, sampling=_sampling(request, i), max_tokens=request.max_tokens,
-                            stop_ids=stop_ids, session_key=request.session_id if i == 0 else None)
+                            stop_ids=stop_ids, session_key=request.session_id if i == 0 else None,
+                            constraint=_controller(served, request, prompt))
         try:
             channel = instance.scheduler.submit(job)
         except ApiError as exc:
@@ -84,6 +87,21 @@ def start_completion(instance: ModelInstance, request: ChatRequest, env: EnvKnob
         completion.jobs.append(job)
         completion.channels.append(channel)
     return completion
+
+
+def _controller(served: LoadedModel, request: ChatRequest, prompt: Prompt) -> Any:
+    """The token controllers of one choice: the reasoning budget (request, else the model's --reasoning-budget;
+    0 or negative disables it)."""
+    parts: list[Any] = []
+    budget = request.reasoning_budget if request.reasoning_budget is not None else served.options.reasoning_budget
+    if budget > 0 and prompt.think and prompt.thinking:
+        tokenizer = served.tokenizer
+        parts.append(ReasoningBudget(budget, tokenizer.encode("\n</think>\n\n"),
+                                     lambda t: tokenizer.token_bytes(t).decode("utf-8", errors="replace"),
+                                     starts_inside=prompt.opens_think))
+    if not parts:
+        return None
+    return parts[0] if len(parts) == 1 else Controllers(parts)
 
 
 def _new_output(completion: Completion) -> ChoiceOutput:

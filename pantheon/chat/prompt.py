@@ -17,6 +17,7 @@ class Prompt:
     tokens: list[int]
     think: bool  # output may carry a <think> block to split into reasoning_content
     opens_think: bool  # the prompt itself ends inside an open <think> block
+    thinking: bool = False  # thinking is on for this request (think-style template, not prefilled closed)
 
 
 def _template_message(message: Message) -> dict[str, Any]:
@@ -53,4 +54,4 @@ def build_prompt(served: LoadedModel, request: ChatRequest, *, no_think_default:
     if tokenizer.add_bos and tokenizer.bos_id is not None and (not tokens or tokens[0] != tokenizer.bos_id):
         tokens.insert(0, tokenizer.bos_id)
     return Prompt(text=text, tokens=tokens, think=template.is_think_style,
-                  opens_think=template.is_think_style and _ends_in_open_think(text))
+                  opens_think=template.is_think_style and _ends_in_open_think(text), thinking=thinking)

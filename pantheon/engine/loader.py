@@ -80,8 +80,37 @@ def _warm_up(model: Any) -> None:
     model.forward(state, [BatchRow(0, np.array([3], np.int32), 40), BatchRow(1, np.array([3], np.int32), 2)])
 
 
+class QuantizeAtLoad:
+    """A backend view whose float matrices (F32/F16/BF16, width a multiple of 32) are quantized to Q8_0 as
+    they are loaded (`quantize: true`): about half the memory of F16 and a quarter of F32, at ~0.2% relative
+    error per weight. Quantized tensors are kept as they are; norms and other vectors stay float."""
+
+    FLOAT_TYPES = (0, 1, 30)
+    Q8_0 = 8
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def weight(self, gguf: GGUFFile, name: str) -> Any:
+        info = gguf.tensors[name]
+        if info.qtype not in self.FLOAT_TYPES or info.cols % 32 or len(info.shape) < 2:
+            return self._inner.weight(gguf, name)
+        from gguf import GGMLQuantizationType, quants
+
+        dense = quants.dequantize(gguf.tensor_bytes(name).reshape(info.rows, -1),
+                                  GGMLQuantizationType(info.qtype)).reshape(info.rows, info.cols)
+        packed = quants.quantize(dense.astype(np.float32), GGMLQuantizationType.Q8_0)
+        return self._inner.weight_from_raw(np.ascontiguousarray(packed).view(np.uint8), self.Q8_0,
+                                           info.rows, info.cols)
+
+
 def load_served_model(options: ModelOptions, env: EnvKnobs, backend: Any) -> LoadedModel:
     gguf = open_gguf(options.path, env.cache_dir)
+    if options.quantize:
+        backend = QuantizeAtLoad(backend)
     try:
         model = load_model(gguf, backend)
         tokenizer = _load_tokenizer(gguf, env.cache_dir)

@@ -19,7 +19,8 @@ from pantheon.chat import completion as chat_completion
 from pantheon.chat.request import parse_chat_request
 from pantheon.config import EnvKnobs
 from pantheon.errors import ApiError
-from pantheon.http import session_routes
+from pantheon.http import admin_routes, session_routes
+from pantheon.metrics import Metrics, standard_metrics
 from pantheon.http.asgi import (
     BASE_HEADERS,
     Receive,
@@ -48,6 +49,9 @@ class ServerState:
     accelerator: bool = False
     dies_visible: int = 0
     draining: bool = False
+    manager: Any = None  # pantheon.sched.manager.ModelManager
+    metrics: Metrics = field(default_factory=standard_metrics)
+    memory_level: int = 0
     build: str = field(default_factory=build_id)
 
 
@@ -64,7 +68,13 @@ class App:
             ("GET", "/session/estimate"): partial(session_routes.estimate, state.registry),
             ("GET", "/session/watch"): partial(session_routes.watch, state.registry,
                                                state.env.session_watch_grace_ms / 1000.0),
+            ("GET", "/admin/models"): partial(admin_routes.models, state.registry),
+            ("POST", "/admin/models/load"): partial(admin_routes.load, state.manager),
+            ("POST", "/admin/models/unload"): partial(admin_routes.unload, state.manager),
+            ("GET", "/admin/dies"): partial(admin_routes.dies, state.manager),
+            ("GET", "/metrics"): self.metrics,
         }
+        state.metrics.add_gauges(self._gauges)
 
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -73,20 +83,31 @@ class App:
         if scope["type"] != "http":
             return
         method, path = scope["method"].upper(), scope["path"]
+        status = 0
+
+        async def counting_send(message: dict[str, Any]) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        handler = self.routes.get((method, path))
         try:
             if method == "OPTIONS":
-                await self.preflight(scope, receive, send)
-                return
-            handler = self.routes.get((method, path))
-            if handler is None:
+                await self.preflight(scope, receive, counting_send)
+            elif handler is None:
                 raise ApiError(404, "not_found", "unknown route")
-            await handler(scope, receive, send)
+            else:
+                await handler(scope, receive, counting_send)
         except ApiError as exc:
-            await send_error(send, exc)
+            await send_error(counting_send, exc)
         except ConnectionAbortedError:
             pass  # the client left before we could answer
         except Exception as exc:  # noqa: BLE001 - one bad request never takes the server down
-            await send_error(send, internal_error(exc))
+            await send_error(counting_send, internal_error(exc))
+        finally:
+            route = path if handler is not None or method == "OPTIONS" else "unknown"
+            self.state.metrics.inc("pantheon_requests_total", route=route, method=method, status=str(status))
 
     @staticmethod
     async def _lifespan(receive: Receive, send: Send) -> None:
@@ -105,6 +126,24 @@ class App:
             "access-control-allow-headers": headers_of(scope).get("access-control-request-headers", "*"),
             "access-control-max-age": "86400",
         })
+
+    async def metrics(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+        payload = self.state.metrics.render().encode()
+        await send({"type": "http.response.start", "status": 200, "headers": [
+            (b"content-type", b"text/plain; version=0.0.4; charset=utf-8"), *BASE_HEADERS,
+            (b"content-length", str(len(payload)).encode())]})
+        await send({"type": "http.response.body", "body": payload, "more_body": False})
+
+    def _gauges(self) -> list[tuple[str, tuple[tuple[str, str], ...], float]]:
+        out: list[tuple[str, tuple[tuple[str, str], ...], float]] = [
+            ("pantheon_memory_ladder_level", (), float(self.state.memory_level))]
+        for inst in self.state.registry.instances:
+            labels = (("model", inst.name),)
+            s = inst.scheduler
+            out += [("pantheon_queue_depth", labels, s.n_waiting), ("pantheon_active_slots", labels, s.n_active),
+                    ("pantheon_sessions", labels, len(s.sessions.sessions)),
+                    ("pantheon_context_window", labels, s.kv_cap)]
+        return out
 
     async def health(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         s = self.state
@@ -144,7 +183,7 @@ class App:
         request = parse_chat_request(body, header_session=headers_of(scope).get("x-session-id"))
         if self.state.draining:
             raise ApiError(503, "server_shutting_down", "server is shutting down", headers={"Retry-After": "1"})
-        instance = self.state.registry.route(request.model)
+        instance = self.state.registry.route_session(request.model, request.session_id)
         completion = chat_completion.start_completion(instance, request, self.state.env)
         try:
             if request.stream:

@@ -17,12 +17,13 @@ from hypercorn.trio import serve as hypercorn_serve
 
 from pantheon.buildinfo import compiled_backend
 from pantheon.config import EnvKnobs, ServeOptions
-from pantheon.engine.loader import load_served_model
+from pantheon.errors import ApiError, ModelLoadError
 from pantheon.http.app import App, ServerState
-from pantheon.sched.registry import ModelInstance, Registry
+from pantheon.metrics import standard_metrics
+from pantheon.sched.manager import ModelManager
+from pantheon.sched.registry import Registry
 from pantheon.sched.persistence import load_sessions, save_sessions
 from pantheon.sched.memory import MemoryLadder, read_meminfo
-from pantheon.sched.scheduler import Scheduler
 
 log = logging.getLogger("pantheon")
 
@@ -33,15 +34,7 @@ def make_backend(options: ServeOptions) -> Any:
     return CpuBackend(threads=options.resolved_threads)
 
 
-def make_instance(loaded: Any, env: EnvKnobs) -> ModelInstance:
-    opts = loaded.options
-    scheduler = Scheduler(loaded, max_sessions=opts.resolved_max_sessions,
-                          max_concurrent=opts.resolved_max_concurrent, queue_depth=env.queue_depth,
-                          batched=env.batch_slots, idle_ttl_s=env.session_idle_ttl_ms / 1000.0)
-    return ModelInstance(loaded, scheduler)
-
-
-async def _watch_memory(registry: Registry, env: EnvKnobs) -> None:
+async def _watch_memory(state: ServerState, env: EnvKnobs) -> None:
     """The memory-pressure ladder: poll host memory, clamp every scheduler's slots and window."""
     ladder = MemoryLadder(env.mem_elevated_pct, env.mem_high_pct, env.mem_critical_pct)
     while True:
@@ -51,11 +44,11 @@ async def _watch_memory(registry: Registry, env: EnvKnobs) -> None:
             reading = None  # unreadable: keep the last level
         if reading is not None:
             before = ladder.level
-            level = ladder.update(reading)
+            level = state.memory_level = ladder.update(reading)
             if level != before:
                 log.warning("memory pressure level %d -> %d (%.1f%% available)", before, level,
                             reading.available_pct)
-        for instance in registry.instances:
+        for instance in state.registry.instances:
             s = instance.scheduler
             s.apply_limits(ladder.concurrency(s.max_concurrent_configured), ladder.window(s.ctx_window_configured),
                            ladder.critical)
@@ -118,20 +111,24 @@ async def serve(options: ServeOptions, *, task_status: trio.TaskStatus[list[str]
     env = options.env
     backend = make_backend(options)
     registry = Registry()
-    for model_options in options.models:
-        log.info("loading %s from %s", model_options.name, model_options.path)
-        loaded = await trio.to_thread.run_sync(load_served_model, model_options, env, backend)
-        registry.add(make_instance(loaded, env))
-    state = ServerState(registry=registry, env=env, backend=compiled_backend(), accelerator=backend.accelerator)
+    metrics = standard_metrics()
+    manager = ModelManager(registry, env, backend, metrics=metrics)
+    state = ServerState(registry=registry, env=env, backend=compiled_backend(), accelerator=backend.accelerator,
+                        manager=manager, metrics=metrics)
     app = App(state)
     shutdown = trio.Event()
     async with trio.open_nursery() as root:
-        for instance in registry.instances:
-            await root.start(instance.scheduler.run)
+        await root.start(manager.run)
+        for model_options in options.models:
+            log.info("loading %s from %s", model_options.name, model_options.path)
+            try:
+                instance = await manager.load(model_options)
+            except ApiError as exc:
+                raise ModelLoadError(exc.message) from None
             if options.session_dir is not None:
                 await load_sessions(instance, options.session_dir)
         root.start_soon(_watch_signals, state, options, shutdown)
-        root.start_soon(_watch_memory, registry, env)
+        root.start_soon(_watch_memory, state, env)
         root.start_soon(_reap_sessions, registry, env)
         async with trio.open_nursery() as http:
             binds = await http.start(partial(hypercorn_serve, app, _hypercorn_config(options),

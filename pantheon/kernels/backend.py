@@ -24,6 +24,9 @@ class Backend(Protocol):
     def weight(self, gguf: GGUFFile, name: str) -> Any:
         """A matrix (rows x cols) kept in its GGUF block format, for `matmul` and `embed`."""
 
+    def weight_from_raw(self, raw: np.ndarray, qtype: int, rows: int, cols: int) -> Any:
+        """A matrix from GGUF-format bytes built in memory (quantize-at-load)."""
+
     def vector(self, gguf: GGUFFile, name: str) -> Array:
         """A small tensor (norm weights, biases) as float32, flattened."""
 

@@ -178,6 +178,10 @@ class LlamaModel:
             state.k[li][slot, :n_tokens] = by_name[f"k{li}"]
             state.v[li][slot, :n_tokens] = by_name[f"v{li}"]
 
+    def state_bytes(self, n_slots: int, ctx_cap: int) -> int:
+        """Memory of new_state(n_slots, ctx_cap) once every slot is full."""
+        return n_slots * ctx_cap * self.kv_bytes_per_token()
+
     def kv_bytes_per_token(self) -> int:
         c = self.config
         return 2 * c.n_layers * c.n_kv_heads * c.head_dim * 4

@@ -37,13 +37,23 @@ class GenerationJob:
 
 
 class TokenController(Protocol):
-    """Steers one job's decode: masks (grammars), forced tokens (a reasoning budget closing </think>)."""
+    """Steers one job's decode: masks (grammars), forced tokens (a reasoning budget closing </think>, the
+    closing text of a constrained call). See pantheon/engine/constraints.py."""
 
-    def forced(self) -> int | None: ...
-    def mask(self) -> np.ndarray | None: ...
-    def advance(self, token: int) -> None: ...
-    def allows_stop(self) -> bool: ...
-    def is_finished(self) -> bool: ...
+    def forced(self) -> int | None:
+        """A token to emit without sampling, or None."""
+
+    def mask(self) -> np.ndarray | None:
+        """Boolean (vocab,) array of the tokens allowed next, or None for no constraint."""
+
+    def advance(self, token: int) -> None:
+        """`token` was generated (sampled or forced)."""
+
+    def stop_requested(self, token: int) -> bool:
+        """An end token was sampled: True to end the turn, False when forced tokens come first."""
+
+    def is_finished(self) -> bool:
+        """The constraint is complete: end the turn."""
 
 
 @dataclass(frozen=True)

@@ -2,17 +2,25 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import trio
 
 from pantheon.engine.loader import LoadedModel
 from pantheon.errors import ApiError
 from pantheon.sched.scheduler import Scheduler
 
 
-@dataclass
+@dataclass(eq=False)
 class ModelInstance:
     served: LoadedModel
     scheduler: Scheduler
+    dies: tuple[int, ...] = ()
+    unloading: bool = False
+    # Cancels this instance's scheduler task (and its watch timers) when it is unloaded.
+    cancel_scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+    weights_bytes: int = 0
+    state_bytes: int = 0
 
     @property
     def name(self) -> str:
@@ -26,30 +34,60 @@ class Registry:
     def add(self, instance: ModelInstance) -> None:
         self.instances.append(instance)
 
+    def remove(self, instance: ModelInstance) -> None:
+        if instance in self.instances:
+            self.instances.remove(instance)
+
+    @property
+    def serving(self) -> list[ModelInstance]:
+        """Instances that take new requests (an unloading one only finishes what it has)."""
+        return [i for i in self.instances if not i.unloading]
+
     def names(self) -> list[str]:
         """Served ids in load order, replicas deduplicated."""
         seen: dict[str, None] = {}
-        for inst in self.instances:
+        for inst in self.serving:
             seen.setdefault(inst.name, None)
         return list(seen)
 
     def route(self, model: str | None) -> ModelInstance:
-        if not self.instances:
+        serving = self.serving
+        if not serving:
             raise ApiError(503, "no_models_loaded", "no model is loaded")
         if len(self.names()) == 1:
-            candidates = self.instances  # one served id: any value (or none) routes to it
+            candidates = serving  # one served id: any value (or none) routes to it
         else:
-            candidates = [i for i in self.instances if i.name == model]
+            candidates = [i for i in serving if i.name == model]
             if not candidates:
                 raise ApiError(404, "model_not_found",
                                f"model {model!r} is not loaded; loaded: {', '.join(self.names())}")
-        # Replicas: the one with the most free decode slots.
-        return max(candidates, key=lambda i: i.scheduler.max_concurrent - i.scheduler.n_active)
+        return self.pick(candidates)
+
+    @staticmethod
+    def pick(candidates: list[ModelInstance], session_key: str | None = None) -> ModelInstance:
+        """Replicas: the one holding the session's cache, else the one with the most free decode slots."""
+        if session_key is not None:
+            for inst in candidates:
+                if inst.scheduler.sessions.get(session_key) is not None:
+                    return inst
+        return max(candidates, key=lambda i: i.scheduler.max_concurrent - i.scheduler.n_active - i.scheduler.n_waiting)
+
+    def route_session(self, model: str | None, session_key: str | None) -> ModelInstance:
+        first = self.route(model)
+        if session_key is None:
+            return first
+        candidates = [i for i in self.serving if i.name == first.name]
+        return self.pick(candidates, session_key)
 
     def find(self, name: str | None) -> ModelInstance | None:
+        """Session routes: `name` selects the model; absent -> the default (first) model."""
+        serving = self.serving
         if name is None or name == "":
-            return self.instances[0] if self.instances else None
-        for inst in self.instances:
+            return serving[0] if serving else None
+        for inst in serving:
             if inst.name == name:
                 return inst
         return None
+
+    def find_all(self, name: str) -> list[ModelInstance]:
+        return [i for i in self.instances if i.name == name]

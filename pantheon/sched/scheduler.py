@@ -33,6 +33,7 @@ from pantheon.engine.repetition import RepetitionDetector
 from pantheon.engine.sampling import SampledToken, Sampler
 from pantheon.engine.sessions import SessionTable, SlotInfo
 from pantheon.errors import ApiError
+from pantheon.metrics import Metrics
 from pantheon.models.base import BatchRow
 from pantheon.sched.jobs import ErrorEvent, Event, FinishEvent, GenerationJob, TokenEvent, Usage
 
@@ -57,6 +58,8 @@ class Active:
     generated: list[int] = field(default_factory=list)
     pending: int | None = None  # last sampled token, fed at the next decode step
     repetition: RepetitionDetector = field(default_factory=RepetitionDetector)
+    submitted_at: float = 0.0
+    last_token_at: float | None = None
 
     @property
     def prefilling(self) -> bool:
@@ -73,8 +76,9 @@ class Waiting:
 class Scheduler:
     def __init__(self, served: LoadedModel, *, max_sessions: int, max_concurrent: int, queue_depth: int,
                  batched: bool = True, idle_ttl_s: float = 12 * 3600.0,
-                 prefill_chunk: int = PREFILL_CHUNK) -> None:
+                 prefill_chunk: int = PREFILL_CHUNK, metrics: Metrics | None = None) -> None:
         self.served = served
+        self.metrics = metrics or Metrics()
         self.batched = batched
         # Legacy path (no batch scheduler): one generation at a time, nothing queues.
         self.max_concurrent_configured = max(1, max_concurrent)
@@ -112,6 +116,10 @@ class Scheduler:
     @property
     def idle(self) -> bool:
         return not self._active and not self._waiting
+
+    def release_state(self) -> None:
+        """Drop the sequence state (the instance was unloaded)."""
+        self.state = None
 
     def apply_limits(self, concurrency: int, window: int, critical: bool) -> None:
         """Called by the memory monitor; takes effect at once for admission and advertised numbers."""
@@ -251,7 +259,10 @@ class Scheduler:
             cached = assignment.cached_tokens
             self._active.append(Active(job=job, events=waiting.events, slot=assignment.slot,
                                        sampler=Sampler(job.sampling, self.served.model.vocab_size),
-                                       prompt_done=cached, cached_tokens=cached, conflict=assignment.conflict))
+                                       prompt_done=cached, cached_tokens=cached, conflict=assignment.conflict,
+                                       submitted_at=waiting.enqueued_at))
+            if cached:
+                self.metrics.inc("pantheon_tokens_cached_total", cached, model=self.served.name)
 
     def _plan(self) -> tuple[list[BatchRow], list[Active], bool]:
         prefilling = [a for a in self._active if a.prefilling]
@@ -302,31 +313,53 @@ class Scheduler:
             self.decode_step_s = seconds if self.decode_step_s is None else 0.8 * self.decode_step_s + 0.2 * seconds
 
     def _deliver(self, rows: list[BatchRow], owners: list[Active], samples: list[SampledToken | None]) -> None:
+        now = time.monotonic()
+        model = self.served.name
         for row, active, sampled in zip(rows, owners, samples):
             active.slot.tokens.extend(int(t) for t in row.tokens)
             if active.prefilling:
                 active.prompt_done += len(row.tokens)
+                self.metrics.inc("pantheon_tokens_prefilled_total", len(row.tokens), model=model)
             if sampled is None:
                 continue
-            token = sampled.token_id
-            controller = active.job.constraint
-            if token in active.job.stop_ids and (controller is None or controller.allows_stop()):
-                self._finish(active, "stop")
-                continue
-            active.generated.append(token)
-            if controller is not None:
-                controller.advance(token)
-            if not self._send(active.events, TokenEvent(sampled)):
-                self._release(active)
-                continue
-            if active.repetition.push(token):
-                self._finish(active, "repetition_loop")
-            elif len(active.generated) >= active.job.max_tokens or len(active.slot.tokens) + 1 >= self.kv_cap:
-                self._finish(active, "length")
-            elif controller is not None and controller.is_finished():
-                self._finish(active, "stop")
+            if active.last_token_at is None:
+                self.metrics.observe("pantheon_time_to_first_token_seconds", now - active.submitted_at, model=model)
             else:
-                active.pending = token
+                self.metrics.observe("pantheon_inter_token_latency_seconds", now - active.last_token_at, model=model)
+            active.last_token_at = now
+            self._accept(active, sampled)
+
+    def _accept(self, active: Active, sampled: SampledToken) -> None:
+        """One new token for `active`: end its turn, or send it out and queue it to be fed next step."""
+        token = sampled.token_id
+        controller = active.job.constraint
+        if token in active.job.stop_ids:
+            if controller is None or controller.stop_requested(token):
+                self._finish(active, "stop")
+                return
+            # The controller appends closing text instead (a constrained call the model ended inside of):
+            # its first forced token replaces the end token; the rest are forced at the next steps.
+            forced = controller.forced()
+            if forced is None:
+                self._finish(active, "stop")
+                return
+            sampled = SampledToken(forced)
+            token = forced
+        active.generated.append(token)
+        self.metrics.inc("pantheon_tokens_decoded_total", model=self.served.name)
+        if controller is not None:
+            controller.advance(token)
+        if not self._send(active.events, TokenEvent(sampled)):
+            self._release(active)
+            return
+        if active.repetition.push(token):
+            self._finish(active, "repetition_loop")
+        elif len(active.generated) >= active.job.max_tokens or len(active.slot.tokens) + 1 >= self.kv_cap:
+            self._finish(active, "length")
+        elif controller is not None and controller.is_finished():
+            self._finish(active, "stop")
+        else:
+            active.pending = token
 
     def _usage(self, active: Active) -> Usage:
         return Usage(prompt_tokens=len(active.job.prompt), cached_tokens=active.cached_tokens,

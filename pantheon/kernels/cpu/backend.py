@@ -28,6 +28,11 @@ class CpuBackend:
         except ValueError as exc:  # UnsupportedTensorType included
             raise ModelLoadError(f"{gguf.path}: tensor {name!r}: {exc}") from None
 
+    @staticmethod
+    def weight_from_raw(raw: np.ndarray, qtype: int, rows: int, cols: int) -> QWeight:
+        """A matrix from bytes built in memory (e.g. quantized at load)."""
+        return quant.prepare_weight(raw, qtype, rows, cols)
+
     def vector(self, gguf: GGUFFile, name: str) -> np.ndarray:
         """A small 1-D tensor (norm weights) as float32."""
         info = gguf.tensors[name]

@@ -1,0 +1,163 @@
+"""Token controllers: what steers one sequence's decode beyond sampling.
+
+- `GrammarController`: an llguidance matcher gives the allowed tokens at every step (tool calls, JSON).
+  When the model ends its turn inside a constrained call at a point where the call can still be closed,
+  the controller appends the closing text (forced tokens) instead of leaving the call broken.
+- `ReasoningBudget`: after N tokens inside a <think> block, forces the tokens of "</think>".
+- `Controllers`: several of them on one sequence (forced tokens first, masks intersected).
+
+The scheduler drives them through the TokenController protocol (pantheon/sched/jobs.py) from its worker
+thread; masks are boolean arrays over the model's vocabulary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+
+def unpack_bitmask(bitmask: bytes, vocab_size: int) -> np.ndarray:
+    return np.unpackbits(np.frombuffer(bitmask, dtype=np.uint8), bitorder="little")[:vocab_size].astype(bool)
+
+
+class GrammarController:
+    def __init__(self, matcher: Any, *, vocab_size: int, eos_id: int, closers: Sequence[list[int]] = ()) -> None:
+        self.matcher = matcher
+        self.vocab_size = vocab_size
+        self.eos_id = eos_id
+        self.closers = [list(c) for c in closers if c]
+        self._forcing: list[int] = []
+        self._done = False
+        self.appended_closer = False
+
+    def _closer_here(self) -> list[int] | None:
+        """A closing text that would complete the grammar from here, if any."""
+        for closer in self.closers:
+            if self.matcher.validate_tokens(closer) == len(closer):
+                trial = self.matcher.deep_copy()
+                if trial.consume_tokens(closer) and trial.is_accepting():
+                    return closer
+        return None
+
+    def forced(self) -> int | None:
+        return self._forcing[0] if self._forcing else None
+
+    def mask(self) -> np.ndarray | None:
+        if self.matcher.is_stopped() or self.matcher.is_error():
+            return None
+        allowed = unpack_bitmask(self.matcher.compute_bitmask(), self.vocab_size)
+        if not allowed[self.eos_id] and self._closer_here() is not None:
+            allowed[self.eos_id] = True  # ending here is fine: the serve appends the closing text
+        return allowed
+
+    def advance(self, token: int) -> None:
+        if self._forcing and token == self._forcing[0]:
+            self._forcing.pop(0)
+            if not self._forcing:
+                self._done = True
+        if not self.matcher.is_stopped():
+            self.matcher.consume_token(token)
+
+    def stop_requested(self, token: int) -> bool:
+        """The model sampled an end token: True to end now; False when closing text is appended first."""
+        if self._forcing:
+            return False
+        if self.matcher.is_accepting() or self.matcher.is_error():
+            self._done = True
+            return True
+        closer = self._closer_here()
+        if closer is None:
+            self._done = True
+            return True
+        self._forcing = list(closer)
+        self.appended_closer = True
+        return False
+
+    def is_finished(self) -> bool:
+        return self._done or self.matcher.is_stopped()
+
+    @property
+    def completed(self) -> bool:
+        """The output satisfies the grammar (for response_format_status)."""
+        return self.matcher.is_accepting() or self.matcher.is_stopped()
+
+
+class ReasoningBudget:
+    """Counts generated tokens inside a <think> block and forces `close_tokens` once `budget` is spent."""
+
+    def __init__(self, budget: int, close_tokens: list[int], token_text: Any, *, starts_inside: bool) -> None:
+        self.budget = budget
+        self.close_tokens = close_tokens
+        self.token_text = token_text  # token id -> str
+        self.inside = starts_inside
+        self.may_open = not starts_inside
+        self.spent = 0
+        self._text = ""  # recent generated text, to spot the tags across token boundaries
+        self._forcing: list[int] = []
+
+    def forced(self) -> int | None:
+        return self._forcing[0] if self._forcing else None
+
+    def mask(self) -> np.ndarray | None:
+        return None
+
+    def advance(self, token: int) -> None:
+        if self._forcing and token == self._forcing[0]:
+            self._forcing.pop(0)
+            if not self._forcing:
+                self.inside = False
+            return
+        self._text = (self._text + self.token_text(token))[-32:]
+        if self.may_open:
+            if "<think>" in self._text:
+                self.inside, self.may_open = True, False
+                self._text = self._text.split("<think>", 1)[1]
+            elif self._text.strip() and not "<think>".startswith(self._text.strip()[:7]):
+                self.may_open = False  # the answer started without a think block
+            return
+        if not self.inside:
+            return
+        if "</think>" in self._text:
+            self.inside = False
+            return
+        self.spent += 1
+        if self.spent >= self.budget:
+            self._forcing = list(self.close_tokens)
+
+    def stop_requested(self, token: int) -> bool:
+        return True
+
+    def is_finished(self) -> bool:
+        return False
+
+
+class Controllers:
+    def __init__(self, parts: Sequence[Any]) -> None:
+        self.parts = list(parts)
+
+    def forced(self) -> int | None:
+        for part in self.parts:
+            token = part.forced()
+            if token is not None:
+                return token
+        return None
+
+    def mask(self) -> np.ndarray | None:
+        combined = None
+        for part in self.parts:
+            m = part.mask()
+            if m is not None:
+                combined = m if combined is None else combined & m
+        return combined
+
+    def advance(self, token: int) -> None:
+        for part in self.parts:
+            part.advance(token)
+
+    def stop_requested(self, token: int) -> bool:
+        return all([part.stop_requested(token) for part in self.parts])
+
+    def is_finished(self) -> bool:
+        return any(part.is_finished() for part in self.parts)

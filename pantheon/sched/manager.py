@@ -1,0 +1,164 @@
+"""Loading and unloading model instances at runtime (and at start-up, through the same path).
+
+Loads are serialized (one at a time) and run in a worker thread, so serving the other models never stalls.
+Each instance's scheduler runs in its own cancel scope inside the root nursery; unloading marks the instance
+(new requests no longer route to it), lets its in-flight and queued turns finish, then cancels that scope.
+
+Admission: before an instance is added, its memory need (the weights' bytes plus the sequence state of
+every slot at the full context window) is checked against the host budget: MemAvailable minus what the
+other instances already claimed, or PN_HOST_BUDGET_BYTES when set.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from pantheon.config import MAX_MODEL_DIES, EnvKnobs, ModelOptions
+from pantheon.engine.loader import LoadedModel, load_served_model
+from pantheon.errors import ApiError, ModelLoadError
+from pantheon.metrics import Metrics
+from pantheon.sched.memory import read_meminfo
+from pantheon.sched.registry import ModelInstance, Registry
+from pantheon.sched.scheduler import Scheduler
+
+log = logging.getLogger("pantheon.models")
+
+MAX_INSTANCES = 16
+
+
+def load_failed(status: int, message: str) -> ApiError:
+    return ApiError(status, "load_failed", message)
+
+
+def slot_count(options: ModelOptions) -> int:
+    """Sessions own up to two slots each; stateless turns always find one of max_concurrent more."""
+    return 2 * options.resolved_max_sessions + options.resolved_max_concurrent
+
+
+class ModelManager:
+    def __init__(self, registry: Registry, env: EnvKnobs, backend: Any, dies_visible: int = 0,
+                 metrics: Metrics | None = None) -> None:
+        self.registry = registry
+        self.metrics = metrics or Metrics()
+        self.env = env
+        self.backend = backend
+        self.dies_visible = dies_visible
+        self._load_lock = trio.Lock()
+        self._nursery: trio.Nursery | None = None
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Hosts the instances' scheduler tasks; lives in the root nursery."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            await trio.sleep_forever()
+
+    # -- load ----------------------------------------------------------------------------------------------
+    def _validate(self, options: ModelOptions) -> None:
+        if len(options.dies) > MAX_MODEL_DIES:
+            raise ApiError(400, "invalid_request_error", f"at most {MAX_MODEL_DIES} dies per model")
+        if options.dies:
+            if not self.backend.accelerator:
+                raise load_failed(400, "'dies' needs an accelerator backend; this serve runs on the cpu backend "
+                                  "(check `pantheon --backend`, or omit 'dies')")
+            bad = [d for d in options.dies if d < 0 or d >= self.dies_visible]
+            if bad:
+                raise load_failed(400, f"dies {bad} are not visible (this serve sees {self.dies_visible})")
+        for inst in self.registry.find_all(options.name):
+            if inst.unloading:
+                raise load_failed(409, f"model {options.name!r} is unloading")
+            if not options.dies or set(options.dies) & set(inst.dies) or not inst.dies:
+                raise load_failed(409, f"model {options.name!r} is already loaded")
+        if len(self.registry.instances) >= MAX_INSTANCES:
+            raise load_failed(507, f"the model registry is full ({MAX_INSTANCES} instances)")
+        if not Path(options.path).is_file():
+            raise load_failed(404, f"model file not found: {options.path}")
+
+    def _budget_bytes(self) -> int:
+        if self.env.host_budget_bytes > 0:
+            claimed = sum(i.weights_bytes + i.state_bytes for i in self.registry.instances)
+            return self.env.host_budget_bytes - claimed
+        try:
+            return read_meminfo(self.env.meminfo_path).available_bytes
+        except (OSError, ValueError):
+            return 1 << 62
+
+    async def load(self, options: ModelOptions) -> ModelInstance:
+        self._validate(options)
+        async with self._load_lock:
+            self._validate(options)  # again: the registry may have changed while we waited
+            try:
+                served: LoadedModel = await trio.to_thread.run_sync(
+                    load_served_model, options, self.env, self.backend)
+            except FileNotFoundError as exc:
+                raise load_failed(404, str(exc)) from None
+            except ModelLoadError as exc:
+                raise load_failed(500, str(exc)) from None
+            except MemoryError:
+                raise load_failed(507, "out of memory while loading the model") from None
+            weights = sum(t.nbytes for t in served.gguf.tensors.values())
+            state = served.model.state_bytes(slot_count(options), served.ctx_cap)
+            budget = self._budget_bytes()
+            if weights + state > budget:
+                served.gguf.close()
+                raise load_failed(507, f"admission refused: {options.name!r} needs {weights + state} bytes "
+                                  f"(weights {weights} + sequence state {state} for "
+                                  f"{slot_count(options)} slots x {served.ctx_cap} tokens); {budget} available")
+            instance = self._start(served, weights, state)
+        log.info("loaded %s from %s (ctx %d, %d bytes)", served.name, options.path, served.ctx_cap, weights + state)
+        return instance
+
+    def _start(self, served: LoadedModel, weights: int, state: int) -> ModelInstance:
+        opts, env = served.options, self.env
+        scheduler = Scheduler(served, max_sessions=opts.resolved_max_sessions,
+                              max_concurrent=opts.resolved_max_concurrent, queue_depth=env.queue_depth,
+                              batched=env.batch_slots, idle_ttl_s=env.session_idle_ttl_ms / 1000.0,
+                              metrics=self.metrics)
+        instance = ModelInstance(served, scheduler, dies=opts.dies, weights_bytes=weights, state_bytes=state)
+        assert self._nursery is not None, "ModelManager.run is not running"
+
+        async def run_instance() -> None:
+            with instance.cancel_scope:
+                await scheduler.run()
+
+        self._nursery.start_soon(run_instance)
+        self.registry.add(instance)
+        return instance
+
+    def die_rows(self) -> list[dict[str, Any]]:
+        """`/admin/dies` rows; the cpu backend holds no dies. A backend with a die manager (cuda) provides
+        `die_status()`: one dict per die with die, card, vram_budget and vram_used."""
+        status = getattr(self.backend, "die_status", None)
+        if status is None:
+            return []
+        rows = []
+        for die in status():
+            on_die = [i for i in self.registry.instances if die["die"] in i.dies]
+            rows.append({"die": die["die"], "card": die["card"],
+                         "model": on_die[0].name if on_die else "", "n_models": len(on_die),
+                         "vram_budget": die["vram_budget"], "vram_used": die["vram_used"]})
+        return rows
+
+    # -- unload --------------------------------------------------------------------------------------------
+    async def unload(self, name: str) -> None:
+        instances = self.registry.find_all(name)
+        if not instances:
+            raise ApiError(404, "unload_failed", f"model {name!r} is not loaded")
+        if any(i.unloading for i in instances):
+            raise ApiError(409, "unload_failed", f"model {name!r} is already unloading")
+        for inst in instances:
+            inst.unloading = True
+        try:
+            while not all(i.scheduler.idle for i in instances):
+                await trio.sleep(0.05)
+        finally:
+            for inst in instances:
+                inst.cancel_scope.cancel()
+                self.registry.remove(inst)
+                inst.scheduler.release_state()
+                inst.served.gguf.close()
+        log.info("unloaded %s", name)

@@ -1,0 +1,34 @@
+"""Command line parsing: per-model flags attach to the --model they follow."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pantheon import cli
+
+
+def test_per_model_flags_attach_to_the_preceding_model() -> None:
+    rest, models = cli._split_models(
+        ["--ctx-cap", "512", "--model", "/m/a.gguf:a", "--max-sessions", "2", "--port", "9000",
+         "--model=/m/b.gguf", "--quantize", "--dies", "0,1", "--threads", "2"])
+    assert rest == ["--ctx-cap", "512", "--port", "9000", "--threads", "2"]
+    assert models == [("/m/a.gguf:a", ["--max-sessions", "2"]), ("/m/b.gguf", ["--quantize", "--dies", "0,1"])]
+
+
+def test_model_options_merge_defaults_and_own_flags(tmp_path: Path) -> None:
+    argv = ["serve", "--ctx-cap", "512", "--model", f"{tmp_path}/a.gguf:a", "--max-sessions", "2",
+            "--model", f"{tmp_path}/b.gguf", "--ctx-cap", "128", "--quantize"]
+    rest, specs = cli._split_models(argv[1:])
+    args = cli._parser().parse_args(["serve", *rest])
+    a = cli._model_options(args, *specs[0], env=None)
+    b = cli._model_options(args, *specs[1], env=None)
+    assert (a.name, a.ctx_cap, a.max_sessions, a.quantize) == ("a", 512, 2, False)
+    assert (b.name, b.ctx_cap, b.max_sessions, b.quantize) == ("b", 128, 0, True)
+
+
+def test_model_spec_with_and_without_name(tmp_path: Path) -> None:
+    f = tmp_path / "x:y.gguf"
+    f.write_bytes(b"")
+    assert cli._model_spec(str(f)) == (f, "x:y")  # an existing path with ':' is a path
+    assert cli._model_spec("/no/such.gguf:name") == (Path("/no/such.gguf"), "name")
+    assert cli._model_spec("/no/such.gguf") == (Path("/no/such.gguf"), "such")

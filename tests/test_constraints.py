@@ -1,0 +1,115 @@
+"""Token controllers: the reasoning budget, and grammar masks with closing text appended at an end token."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import llguidance
+import numpy as np
+import pytest
+
+from pantheon.config import read_env
+from pantheon.engine.constraints import Controllers, GrammarController, ReasoningBudget
+from pantheon.io.gguf_file import open_gguf
+from pantheon.io.tokenizer import Tokenizer
+
+CLOSE = [900, 901]
+TEXT = {1: "<think>", 2: "</think>", 3: "word ", 4: "<th", 5: "ink>", 6: "Hello", 900: "\n</", 901: "think>\n"}
+
+
+def run(budget: ReasoningBudget, tokens: list[int]) -> list[int]:
+    out = []
+    for t in tokens:
+        forced = budget.forced()
+        t = forced if forced is not None else t
+        budget.advance(t)
+        out.append(t)
+    while (forced := budget.forced()) is not None:
+        budget.advance(forced)
+        out.append(forced)
+    return out
+
+
+def make(budget: int, *, inside: bool) -> ReasoningBudget:
+    return ReasoningBudget(budget, CLOSE, TEXT.__getitem__, starts_inside=inside)
+
+
+def test_budget_forces_close_after_n_reasoning_tokens() -> None:
+    assert run(make(3, inside=True), [3, 3, 3, 3, 3]) == [3, 3, 3, 900, 901]
+
+
+def test_budget_counts_only_after_the_block_opens() -> None:
+    out = run(make(2, inside=False), [4, 5, 3, 3, 3, 3])  # "<th" "ink>" split across tokens
+    assert out == [4, 5, 3, 3, 900, 901]
+
+
+def test_a_closed_block_is_not_forced() -> None:
+    assert run(make(5, inside=True), [3, 2, 3, 3, 3, 3, 3, 3]) == [3, 2, 3, 3, 3, 3, 3, 3]
+
+
+def test_an_answer_without_think_is_never_forced() -> None:
+    assert run(make(1, inside=False), [6, 3, 3, 3]) == [6, 3, 3, 3]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model_path: Path) -> Tokenizer:
+    env = read_env()
+    return Tokenizer.from_gguf_metadata(open_gguf(default_model_path, env.cache_dir).metadata)
+
+
+@pytest.fixture(scope="module")
+def lltok(tokenizer: Tokenizer) -> llguidance.LLTokenizer:
+    return llguidance.LLTokenizer(tokenizer.hf_tokenizer_json(), eos_token=tokenizer.eos_id)
+
+
+GRAMMAR = 'start: "<call>" /[a-z]+/ "</call>"'
+
+
+def controller(lltok, tokenizer, closers=()) -> GrammarController:
+    matcher = llguidance.LLMatcher(lltok, llguidance.LLMatcher.grammar_from_lark(GRAMMAR))
+    return GrammarController(matcher, vocab_size=tokenizer.vocab_size, eos_id=tokenizer.eos_id,
+                             closers=[tokenizer.encode(c) for c in closers])
+
+
+def test_mask_follows_the_grammar_and_refuses_eos_before_the_end(lltok, tokenizer) -> None:
+    c = controller(lltok, tokenizer)
+    for t in tokenizer.encode("<call>abc"):
+        m = c.mask()
+        assert m[t] and not m[tokenizer.eos_id]
+        c.advance(t)
+    assert not c.mask()[tokenizer.encode("1")[0]]
+    for t in tokenizer.encode("</call>"):
+        c.advance(t)
+    assert c.completed and c.is_finished()
+
+
+def test_eos_inside_a_closable_call_appends_the_closer(lltok, tokenizer) -> None:
+    c = controller(lltok, tokenizer, closers=["</call>"])
+    for t in tokenizer.encode("<call>abc"):
+        c.advance(t)
+    assert c.mask()[tokenizer.eos_id]  # ending here is allowed: the closer completes the grammar
+    assert c.stop_requested(tokenizer.eos_id) is False
+    appended = []
+    while (f := c.forced()) is not None:
+        c.advance(f)
+        appended.append(f)
+    assert tokenizer.decode(appended) == "</call>" and c.completed and c.appended_closer
+
+
+def test_composite_forces_first_and_intersects_masks(lltok, tokenizer) -> None:
+    close = tokenizer.encode("</call>")
+    text = lambda t: tokenizer.token_bytes(t).decode("utf-8", "replace")  # noqa: E731
+    grammar = controller(lltok, tokenizer)
+    prefix = tokenizer.encode("<call>ab")
+    both = Controllers([ReasoningBudget(len(prefix), close, text, starts_inside=True), grammar])
+    for t in prefix:
+        assert both.forced() is None
+        assert both.mask()[t]
+        both.advance(t)
+    # the budget (as many tokens as the prefix) is spent: its closing tokens come before any sampling
+    forced = []
+    while (f := both.forced()) is not None:
+        both.advance(f)
+        forced.append(f)
+    assert forced == close and grammar.completed
+    assert isinstance(both.mask(), np.ndarray) or both.mask() is None
