@@ -35,7 +35,9 @@ def load_options(body: Any) -> ModelOptions:
         name = Path(path).name.removesuffix(".gguf")
     elif not isinstance(name, str):
         raise invalid_request("'name' must be a string")
-    dies = body.get("dies") or []
+    dies = body.get("dies")
+    if dies is None:
+        dies = []
     if not isinstance(dies, list) or not all(isinstance(d, int) and not isinstance(d, bool) for d in dies):
         raise invalid_request("'dies' must be an array of integers")
     if len(dies) > MAX_MODEL_DIES:

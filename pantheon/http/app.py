@@ -172,7 +172,7 @@ class App:
         s = self.state
         seen: set[str] = set()
         data = []
-        for instance in s.registry.instances:
+        for instance in s.registry.serving:  # an unloading model takes no new requests: not advertised
             if instance.name not in seen:
                 seen.add(instance.name)
                 data.append(self.model_entry(instance))

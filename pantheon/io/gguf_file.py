@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -142,16 +144,28 @@ def _store_cache(cache_file: Path, metadata: dict[str, Any], tensors: dict[str, 
         pass  # a cache we cannot write only costs speed
 
 
+def _build_cache_in_subprocess(path: Path, cache_file: Path) -> None:
+    """GGUFReader is pure Python and holds the GIL for seconds on a large vocabulary; parsing in a child
+    process keeps the serving threads of this one responsive while a model loads."""
+    subprocess.run([sys.executable, "-m", "pantheon.io.gguf_file", str(path), str(cache_file)],
+                   capture_output=True, timeout=600, check=False)
+
+
 def open_gguf(path: str | os.PathLike[str], cache_dir: Path | None = None) -> GGUFFile:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"model file not found: {path}")
     identity = file_identity(path)
-    cached = _load_cache(cache_dir / f"{identity}.gguf.json") if cache_dir else None
+    cache_file = cache_dir / f"{identity}.gguf.json" if cache_dir else None
+    cached = _load_cache(cache_file) if cache_file else None
+    if cached is None and cache_file is not None:
+        _build_cache_in_subprocess(path, cache_file)
+        cached = _load_cache(cache_file)
     if cached is None:
+        # No cache dir, or the child failed (a corrupt file): parse here, which reports what is wrong.
         metadata, tensors = _read_with_gguf(path)
-        if cache_dir:
-            _store_cache(cache_dir / f"{identity}.gguf.json", metadata, tensors)
+        if cache_file is not None:
+            _store_cache(cache_file, metadata, tensors)
     else:
         metadata, tensors = cached
     size = path.stat().st_size
@@ -162,3 +176,8 @@ def open_gguf(path: str | os.PathLike[str], cache_dir: Path | None = None) -> GG
             )
     mm = np.memmap(path, dtype=np.uint8, mode="r")
     return GGUFFile(path=path, identity=identity, metadata=metadata, tensors=tensors, _mmap=mm)
+
+
+if __name__ == "__main__":  # python -m pantheon.io.gguf_file MODEL CACHE_FILE (see _build_cache_in_subprocess)
+    _metadata, _tensors = _read_with_gguf(Path(sys.argv[1]))
+    _store_cache(Path(sys.argv[2]), _metadata, _tensors)
