@@ -10,10 +10,10 @@ PYTEST_ARGS ?=
 
 .PHONY: serve test install model bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[test]'
+	$(BIN)/python -m pip install --quiet -e '.[test,cuda]'
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -12,7 +12,9 @@ from typing import Any
 import trio
 
 from pantheon.chat.output import ChoiceOutput, Delta
+from pantheon.chat import structure
 from pantheon.chat.prompt import Prompt, build_prompt
+from pantheon.chat.structure import Structure
 from pantheon.chat.request import ChatRequest
 from pantheon.config import EnvKnobs
 from pantheon.engine.constraints import Controllers, ReasoningBudget
@@ -29,6 +31,14 @@ class ChoiceResult:
     output: ChoiceOutput
     finish_reason: str = "stop"
     usage: Usage | None = None
+    controller: Any = None  # the choice's grammar controller, when one was armed
+
+    @property
+    def final_reason(self) -> str:
+        """repetition_loop outranks tool_calls, which outranks stop/length."""
+        if self.finish_reason != "repetition_loop" and self.output.tool_calls:
+            return "tool_calls"
+        return self.finish_reason
 
 
 @dataclass
@@ -42,7 +52,9 @@ class Completion:
     created: int = field(default_factory=lambda: int(time.time()))
     jobs: list[GenerationJob] = field(default_factory=list)
     channels: list[trio.MemoryReceiveChannel[Any]] = field(default_factory=list)
+    grammars: list[Any] = field(default_factory=list)  # per choice: its GrammarController or None
     n_status: str | None = None
+    structure: Structure | None = None
 
     @property
     def model_name(self) -> str:
@@ -66,15 +78,19 @@ def start_completion(instance: ModelInstance, request: ChatRequest, env: EnvKnob
     """Build the prompt and submit one job per choice. Errors for the first choice are the request's errors;
     a later choice that cannot be queued is dropped with n_status."""
     served = instance.served
-    prompt = build_prompt(served, request, no_think_default=env.no_think)
-    completion = Completion(instance, request, prompt)
+    dialect, tools = structure.offered_tools(served, request)
+    prompt = build_prompt(served, request, no_think_default=env.no_think, dialect=dialect, tools=tools)
+    plan = structure.plan(served, request, env, dialect, tools, prompt.think_mode)
+    completion = Completion(instance, request, prompt, structure=plan)
     if request.n_capped:
         completion.n_status = "capped_to_8"
     stop_ids = served.tokenizer.stop_ids
     for i in range(request.n):
+        grammar = structure.grammar_controller(served, plan)
         job = GenerationJob(prompt=prompt.tokens, sampling=_sampling(request, i), max_tokens=request.max_tokens,
                             stop_ids=stop_ids, session_key=request.session_id if i == 0 else None,
-                            constraint=_controller(served, request, prompt))
+                            constraint=_controller(served, request, prompt, grammar),
+                            checkpoints=(prompt.history_end,) if prompt.history_end else ())
         try:
             channel = instance.scheduler.submit(job)
         except ApiError as exc:
@@ -86,12 +102,13 @@ def start_completion(instance: ModelInstance, request: ChatRequest, env: EnvKnob
             break
         completion.jobs.append(job)
         completion.channels.append(channel)
+        completion.grammars.append(grammar)
     return completion
 
 
-def _controller(served: LoadedModel, request: ChatRequest, prompt: Prompt) -> Any:
+def _controller(served: LoadedModel, request: ChatRequest, prompt: Prompt, grammar: Any) -> Any:
     """The token controllers of one choice: the reasoning budget (request, else the model's --reasoning-budget;
-    0 or negative disables it)."""
+    0 or negative disables it) and the grammar."""
     parts: list[Any] = []
     budget = request.reasoning_budget if request.reasoning_budget is not None else served.options.reasoning_budget
     if budget > 0 and prompt.think and prompt.thinking:
@@ -99,6 +116,8 @@ def _controller(served: LoadedModel, request: ChatRequest, prompt: Prompt) -> An
         parts.append(ReasoningBudget(budget, tokenizer.encode("\n</think>\n\n"),
                                      lambda t: tokenizer.token_bytes(t).decode("utf-8", errors="replace"),
                                      starts_inside=prompt.opens_think))
+    if grammar is not None:
+        parts.append(grammar)
     if not parts:
         return None
     return parts[0] if len(parts) == 1 else Controllers(parts)
@@ -106,25 +125,46 @@ def _controller(served: LoadedModel, request: ChatRequest, prompt: Prompt) -> An
 
 def _new_output(completion: Completion) -> ChoiceOutput:
     r = completion.request
+    plan = completion.structure
+    parser = plan.dialect.parser(plan.tools) if plan is not None and plan.tools else None
     return ChoiceOutput(completion.instance.served.tokenizer, stops=r.stop, think=completion.prompt.think,
-                        prompt_opens_think=completion.prompt.opens_think, want_logprobs=r.logprobs)
+                        prompt_opens_think=completion.prompt.opens_think, want_logprobs=r.logprobs,
+                        tool_parser=parser)
+
+
+def _response_format_status(completion: Completion, results: list[ChoiceResult]) -> str | None:
+    plan = completion.structure
+    if plan is None or plan.response_format_status is None:
+        return None
+    if plan.json_constrained and any(r.controller is None or not r.controller.completed for r in results):
+        return "not_enforced"
+    return plan.response_format_status
+
+
+def _choice_extras(result: ChoiceResult) -> dict[str, Any]:
+    """Fields beside `finish_reason` on a choice: tool_call_error for a call started and not finished."""
+    if result.output.tool_call_errors:
+        return {"tool_call_error": result.output.tool_call_errors[0]}
+    return {}
 
 
 async def _run_choice(completion: Completion, index: int, on_delta: Any = None) -> ChoiceResult:
     """Consume one job's events into a ChoiceResult; `on_delta(delta)` sees every non-empty delta."""
     job, channel = completion.jobs[index], completion.channels[index]
-    result = ChoiceResult(index, _new_output(completion))
+    result = ChoiceResult(index, _new_output(completion), controller=completion.grammars[index])
     try:
         async with channel:
             async for event in channel:
                 if isinstance(event, TokenEvent):
+                    if result.output.stopped:
+                        continue  # tokens decoded after the stop string, before the scheduler saw the cancel
                     delta = result.output.push(event.sampled)
                     if delta and on_delta is not None:
                         await on_delta(delta)
                     if result.output.stopped:
-                        job.cancel()
-                        result.finish_reason = "stop"
-                        break
+                        job.cancel()  # the scheduler ends the turn and still sends its usage
+                elif isinstance(event, FinishEvent) and result.output.stopped:
+                    result.usage = event.usage  # finish_reason stays "stop": a stop string ended it
                 elif isinstance(event, FinishEvent):
                     result.finish_reason = event.reason
                     result.usage = event.usage
@@ -171,10 +211,15 @@ async def complete(completion: Completion) -> dict[str, Any]:
     done = [r for r in results if r is not None]
     choices = []
     for r in done:
-        message: dict[str, Any] = {"role": "assistant", "content": r.output.content}
+        calls = r.output.tool_calls
+        content = r.output.content
+        message: dict[str, Any] = {"role": "assistant", "content": None if calls and not content.strip() else content}
         if r.output.reasoning:
             message["reasoning_content"] = r.output.reasoning
-        choice: dict[str, Any] = {"index": r.index, "message": message, "finish_reason": r.finish_reason}
+        if calls:
+            message["tool_calls"] = calls
+        choice: dict[str, Any] = {"index": r.index, "message": message, "finish_reason": r.final_reason}
+        choice.update(_choice_extras(r))
         if completion.request.logprobs:
             choice["logprobs"] = {"content": r.output.logprobs}
         choices.append(choice)
@@ -188,6 +233,9 @@ async def complete(completion: Completion) -> dict[str, Any]:
     }
     if completion.n_status:
         body["n_status"] = completion.n_status
+    status = _response_format_status(completion, done)
+    if status is not None:
+        body["response_format_status"] = status
     return body
 
 
@@ -202,9 +250,16 @@ def _delta_chunks(completion: Completion, index: int, delta: Delta) -> list[dict
     chunks = []
     if delta.reasoning:
         chunks.append({"index": index, "delta": {"reasoning_content": delta.reasoning}, "finish_reason": None})
-    if delta.content or (delta.logprobs and not delta.reasoning):
+    if delta.content or (delta.logprobs and not delta.reasoning and not delta.tool_calls):
         chunks.append({"index": index, "delta": {"content": delta.content}, "finish_reason": None})
-    if delta.logprobs and completion.request.logprobs:
+    for piece in delta.tool_calls:
+        if "id" in piece:
+            call = {"index": piece["index"], "id": piece["id"], "type": "function",
+                    "function": {"name": piece["name"], "arguments": ""}}
+        else:
+            call = {"index": piece["index"], "function": {"arguments": piece["arguments"]}}
+        chunks.append({"index": index, "delta": {"tool_calls": [call]}, "finish_reason": None})
+    if delta.logprobs and completion.request.logprobs and chunks:
         chunks[-1]["logprobs"] = {"content": delta.logprobs}
     return [_chunk(completion, [c]) for c in chunks]
 
@@ -233,8 +288,11 @@ async def stream(completion: Completion) -> AsyncIterator[dict[str, Any]]:
             top: dict[str, Any] = {}
             if completion.n_status:
                 top["n_status"] = completion.n_status
-            send.send_nowait(_chunk(completion, [{"index": i, "delta": {}, "finish_reason": result.finish_reason}],
-                                    **top))
+            status = _response_format_status(completion, [result])
+            if status is not None:
+                top["response_format_status"] = status
+            closing = {"index": i, "delta": {}, "finish_reason": result.final_reason, **_choice_extras(result)}
+            send.send_nowait(_chunk(completion, [closing], **top))
 
     async with trio.open_nursery() as nursery:
         for i in range(n):

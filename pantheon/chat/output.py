@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pantheon.chat.tools import ArgsDelta, CallEnd, CallError, CallStart, TextDelta, ToolCallParser
 from pantheon.engine.sampling import SampledToken
 from pantheon.io.tokenizer import StreamingDecoder, Tokenizer
 
@@ -23,9 +24,12 @@ class Delta:
     reasoning: str = ""
     content: str = ""
     logprobs: list[dict[str, Any]] = field(default_factory=list)
+    # Streaming tool-call pieces, in order: {"index", "id", "name"} opens a call, {"index", "arguments"}
+    # extends its arguments text.
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.reasoning or self.content or self.logprobs)
+        return bool(self.reasoning or self.content or self.logprobs or self.tool_calls)
 
 
 def _partial_suffix(text: str, needles: list[str]) -> int:
@@ -123,18 +127,26 @@ class ThinkSplitter:
 
 
 class ChoiceOutput:
+    """One choice's output. With tools offered, the answer text (not the reasoning) goes through the
+    dialect's incremental call parser: prose stays content, calls become tool_calls."""
+
     def __init__(self, tokenizer: Tokenizer, *, stops: list[str], think: bool, prompt_opens_think: bool,
-                 want_logprobs: bool) -> None:
+                 want_logprobs: bool, tool_parser: ToolCallParser | None = None) -> None:
         self.tokenizer = tokenizer
         self._decoder = StreamingDecoder(tokenizer, skip_special=True)
         self._stop = StopFilter(stops)
         self._think = ThinkSplitter(think, prompt_opens_think)
+        self._tools = tool_parser
         self._want_logprobs = want_logprobs
         self._pending_logprobs: list[dict[str, Any]] = []
         self.content = ""
         self.reasoning = ""
         self.logprobs: list[dict[str, Any]] = []
         self.completion_tokens = 0
+        self.tool_calls: list[dict[str, Any]] = []  # finished calls, OpenAI shape
+        self.tool_call_errors: list[dict[str, Any]] = []
+        self._call_index: dict[int, int] = {}  # parser index -> contiguous output index
+        self._call_ids: dict[int, tuple[str, str]] = {}
 
     @property
     def stopped(self) -> bool:
@@ -149,10 +161,39 @@ class ChoiceOutput:
         entry["top_logprobs"] = [self._entry(t, lp) for t, lp in (sampled.top_logprobs or [])]
         return entry
 
+    def _route_tools(self, delta: Delta, final: bool) -> None:
+        """Move delta.content through the call parser."""
+        if self._tools is None:
+            return
+        events = self._tools.feed(delta.content) if delta.content else []
+        if final:
+            events += self._tools.finish()
+        delta.content = ""
+        for event in events:
+            if isinstance(event, TextDelta):
+                delta.content += event.text
+            elif isinstance(event, CallStart):
+                index = self._call_index[event.index] = len(self._call_index)
+                self._call_ids[event.index] = (event.id, event.name)
+                delta.tool_calls.append({"index": index, "id": event.id, "name": event.name})
+            elif isinstance(event, ArgsDelta):
+                delta.tool_calls.append({"index": self._call_index[event.index], "arguments": event.fragment})
+            elif isinstance(event, CallEnd):
+                call_id, name = self._call_ids[event.index]
+                self.tool_calls.append({"id": call_id, "type": "function",
+                                        "function": {"name": name, "arguments": event.arguments}})
+            elif isinstance(event, CallError):
+                error = {"code": event.code, "message": event.message}
+                if event.function is not None:
+                    error["function"] = event.function
+                if event.parameter is not None:
+                    error["parameter"] = event.parameter
+                self.tool_call_errors.append(error)
+
     def _emit(self, delta: Delta) -> Delta:
         self.content += delta.content
         self.reasoning += delta.reasoning
-        if delta.content or delta.reasoning:
+        if delta.content or delta.reasoning or delta.tool_calls:
             delta.logprobs = self._pending_logprobs
             self._pending_logprobs = []
         return delta
@@ -167,6 +208,7 @@ class ChoiceOutput:
             self.logprobs.append(entry)
         delta = Delta()
         self._think.push(self._stop.push(self._decoder.push(sampled.token_id)), delta)
+        self._route_tools(delta, final=False)
         return self._emit(delta)
 
     def finish(self) -> Delta:
@@ -175,6 +217,7 @@ class ChoiceOutput:
             self._think.push(self._stop.push(self._decoder.flush()), delta)
             self._think.push(self._stop.flush(), delta)
         self._think.flush(delta)
+        self._route_tools(delta, final=True)
         delta = self._emit(delta)
         if self._pending_logprobs:
             delta.logprobs = self._pending_logprobs

@@ -1,4 +1,4 @@
-"""Messages -> prompt text (the model's chat template) -> token ids."""
+"""Messages -> prompt text (the model's chat template, tools in the model's dialect) -> token ids."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pantheon.chat.request import ChatRequest, Message
+from pantheon.chat.tools import Dialect, ToolSpec
 from pantheon.engine.loader import LoadedModel
 
 CLOSED_THINK = "<think>\n\n</think>\n\n"
@@ -18,19 +19,46 @@ class Prompt:
     think: bool  # output may carry a <think> block to split into reasoning_content
     opens_think: bool  # the prompt itself ends inside an open <think> block
     thinking: bool = False  # thinking is on for this request (think-style template, not prefilled closed)
+    # Recurrent models: where the conversation history ends and this turn's generation prompt begins. The
+    # next turn's prompt re-renders this turn's reply (without its reasoning, in think templates), so it
+    # continues the history exactly up to here: a state checkpoint here lets it resume.
+    history_end: int | None = None
+
+    @property
+    def think_mode(self) -> str:
+        """How a grammar sees the start of the output: "open", "optional" or "none"."""
+        if self.opens_think:
+            return "open"
+        return "optional" if self.thinking else "none"
 
 
-def _template_message(message: Message) -> dict[str, Any]:
-    out: dict[str, Any] = {"role": message.role, "content": message.content}
-    if message.role == "assistant":
-        if message.reasoning_content:
-            out["reasoning_content"] = message.reasoning_content
-        if message.tool_calls:
-            out["tool_calls"] = message.tool_calls
-    if message.tool_call_id:
-        out["tool_call_id"] = message.tool_call_id
-    if message.name:
-        out["name"] = message.name
+def _template_messages(messages: list[Message], dialect: Dialect, tools: list[ToolSpec]) -> list[dict[str, Any]]:
+    """Tools into a system turn, earlier calls and tool results into plain text in the dialect, so every
+    template renders them the same way (and a replayed turn matches what the model generated)."""
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        if m.role == "assistant":
+            entry: dict[str, Any] = {"role": "assistant", "content": m.content}
+            if m.tool_calls:
+                entry["content"] = dialect.render_assistant(m.content, m.tool_calls)
+            if m.reasoning_content:
+                entry["reasoning_content"] = m.reasoning_content
+            out.append(entry)
+        elif m.role == "tool":
+            role, content = dialect.render_tool_result(m.content, m.tool_call_id, m.name)
+            if out and out[-1].get("_tool_results") and out[-1]["role"] == role:
+                out[-1]["content"] += "\n" + content  # consecutive results read as one turn
+            else:
+                out.append({"role": role, "content": content, "_tool_results": True})
+        else:
+            out.append({"role": m.role, "content": m.content})
+    for entry in out:
+        entry.pop("_tool_results", None)
+    if tools:
+        if out and out[0]["role"] == "system":
+            out[0]["content"] = dialect.render_system(tools, out[0]["content"])
+        else:
+            out.insert(0, {"role": "system", "content": dialect.render_system(tools, None)})
     return out
 
 
@@ -38,9 +66,10 @@ def _ends_in_open_think(text: str) -> bool:
     return text.rfind("<think>") > text.rfind("</think>")
 
 
-def build_prompt(served: LoadedModel, request: ChatRequest, *, no_think_default: bool) -> Prompt:
+def build_prompt(served: LoadedModel, request: ChatRequest, *, no_think_default: bool, dialect: Dialect,
+                 tools: list[ToolSpec]) -> Prompt:
     template = served.template
-    messages = [_template_message(m) for m in request.messages]
+    messages = _template_messages(request.messages, dialect, tools)
     extra: dict[str, Any] = {}
     thinking = False
     if template.is_think_style:
@@ -51,7 +80,17 @@ def build_prompt(served: LoadedModel, request: ChatRequest, *, no_think_default:
         text += CLOSED_THINK  # templates that ignore enable_thinking still get a closed block
     tokenizer = served.tokenizer
     tokens = tokenizer.encode(text, parse_special=True)
+    offset = 0
     if tokenizer.add_bos and tokenizer.bos_id is not None and (not tokens or tokens[0] != tokenizer.bos_id):
         tokens.insert(0, tokenizer.bos_id)
+        offset = 1
+    history_end = None
+    if not getattr(served.model, "supports_prefix_rewind", True):
+        history = template.render(messages, add_generation_prompt=False, extra=extra)
+        history_tokens = tokenizer.encode(history, parse_special=True)
+        n = offset + len(history_tokens)
+        if text.startswith(history) and 0 < n < len(tokens) and tokens[offset:n] == history_tokens:
+            history_end = n
     return Prompt(text=text, tokens=tokens, think=template.is_think_style,
-                  opens_think=template.is_think_style and _ends_in_open_think(text), thinking=thinking)
+                  opens_think=template.is_think_style and _ends_in_open_think(text), thinking=thinking,
+                  history_end=history_end)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,8 @@ class LoadedModel:
     ctx_cap: int  # the configured per-session window (before any memory-ladder clamp)
     weights_version: int
     created: int
+    # llguidance's view of the vocabulary (grammar-constrained decoding); None if it could not be built.
+    lltokenizer: Any = None
 
     @property
     def architecture(self) -> str:
@@ -67,6 +70,16 @@ def weights_version_of(gguf: GGUFFile) -> int:
         digest.update(data[:64].tobytes())
         digest.update(data[-64:].tobytes())
     return int.from_bytes(digest.digest()[:7], "big")  # < 2**56: exact in JSON numbers everywhere
+
+
+def _grammar_tokenizer(tokenizer: Tokenizer) -> Any:
+    try:
+        import llguidance
+
+        return llguidance.LLTokenizer(tokenizer.hf_tokenizer_json(), eos_token=tokenizer.eos_id)
+    except Exception as exc:  # noqa: BLE001 - constrained decoding is optional; serving is not
+        logging.getLogger("pantheon.models").warning("grammar-constrained decoding unavailable: %s", exc)
+        return None
 
 
 def _warm_up(model: Any) -> None:
@@ -126,6 +139,7 @@ def load_served_model(options: ModelOptions, env: EnvKnobs, backend: Any) -> Loa
     _warm_up(model)
     ctx_cap = min(options.ctx_cap if options.ctx_cap > 0 else DEFAULT_CTX_CAP, model.context_length)
     return LoadedModel(
+        lltokenizer=_grammar_tokenizer(tokenizer),
         name=options.name,
         options=options,
         gguf=gguf,

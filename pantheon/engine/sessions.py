@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from pantheon.errors import ApiError
 
@@ -29,6 +30,17 @@ class SlotInfo:
     session: str | None = None
     busy: bool = False
     last_used: float = 0.0
+    # Recurrent models only: snapshots of the slot's state at earlier positions (objects with .n_tokens),
+    # since their state cannot be rewound to a shorter prefix.
+    checkpoints: list[Any] = field(default_factory=list)
+
+    def clear(self) -> None:
+        self.tokens.clear()
+        self.checkpoints.clear()
+
+    def truncate(self, n: int) -> None:
+        del self.tokens[n:]
+        self.checkpoints = [c for c in self.checkpoints if c.n_tokens <= n]
 
 
 @dataclass
@@ -50,6 +62,7 @@ class Assignment:
     slot: SlotInfo
     cached_tokens: int
     conflict: bool = False
+    restore: Any = None  # a checkpoint to reinstall before prefilling (recurrent models)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -65,8 +78,12 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 class SessionTable:
     def __init__(self, *, n_slots: int, max_sessions: int, conversations_per_session: int = 2,
-                 idle_ttl_s: float = 12 * 3600.0, clock: Callable[[], float] = time.monotonic) -> None:
+                 idle_ttl_s: float = 12 * 3600.0, clock: Callable[[], float] = time.monotonic,
+                 rewindable: bool = True) -> None:
         self.slots = [SlotInfo(i) for i in range(n_slots)]
+        # A rewindable state (attention KV) resumes from any prefix; a recurrent one only from the slot's
+        # current end or from a checkpoint.
+        self.rewindable = rewindable
         self.max_sessions = max_sessions
         self.conversations_per_session = conversations_per_session
         self.idle_ttl_s = idle_ttl_s
@@ -107,7 +124,7 @@ class SessionTable:
             slot = self._free_unowned_slot()
             if slot is None:
                 return None
-            slot.tokens.clear()
+            slot.clear()
             return self._take(slot, 0, now)
         session = self.sessions.get(session_id)
         if session is None:
@@ -126,10 +143,18 @@ class SessionTable:
         if best is not None and best_len >= CONTINUATION_FRACTION * len(best.tokens) and best_len > 0:
             if not best.busy:
                 # Keep at least one prompt token to compute: its logits give the first new token.
-                cached = min(best_len, len(prompt) - 1)
-                del best.tokens[cached:]
+                usable = min(best_len, len(prompt) - 1)
                 session.last_used = now
-                return self._take(best, cached, now)
+                if self.rewindable or usable == len(best.tokens):
+                    best.truncate(usable)
+                    return self._take(best, usable, now)
+                checkpoint = max((c for c in best.checkpoints if c.n_tokens <= usable),
+                                 key=lambda c: c.n_tokens, default=None)
+                if checkpoint is None:
+                    best.clear()
+                    return self._take(best, 0, now)
+                best.truncate(checkpoint.n_tokens)
+                return self._take(best, checkpoint.n_tokens, now, restore=checkpoint)
             conflict = True  # the same conversation is mid-turn: this one runs cold beside it
         else:
             conflict = False
@@ -146,21 +171,22 @@ class SessionTable:
                 return None
             slot = min(idle, key=lambda s: s.last_used)
             conflict = True  # evicting another conversation of this id: it can no longer resume
-        slot.tokens.clear()
+        slot.clear()
         session.last_used = now
         return self._take(slot, 0, now, conflict)
 
     def _open_session(self, session_id: str, slot: SlotInfo, now: float) -> Session:
         session = self.sessions[session_id] = Session(session_id, last_used=now)
         slot.session = session_id
-        slot.tokens.clear()
+        slot.clear()
         session.slots.append(slot)
         return session
 
-    def _take(self, slot: SlotInfo, cached: int, now: float, conflict: bool = False) -> Assignment:
+    def _take(self, slot: SlotInfo, cached: int, now: float, conflict: bool = False,
+              restore: Any = None) -> Assignment:
         slot.busy = True
         slot.last_used = now
-        return Assignment(slot, cached, conflict)
+        return Assignment(slot, cached, conflict, restore)
 
     def finish(self, slot: SlotInfo, *, keep: bool = True) -> None:
         """The turn on `slot` ended. Session slots keep their tokens (the cache); `keep=False` (a failed
@@ -168,7 +194,7 @@ class SessionTable:
         slot.busy = False
         slot.last_used = self.clock()
         if slot.session is None or not keep:
-            slot.tokens.clear()
+            slot.clear()
         if slot.session is not None:
             session = self.sessions.get(slot.session)
             if session is not None:
@@ -183,7 +209,7 @@ class SessionTable:
         for slot in session.slots:
             slot.session = None
             if not slot.busy:
-                slot.tokens.clear()
+                slot.clear()
         return True
 
     def reap(self) -> list[str]:
@@ -245,7 +271,7 @@ class SessionTable:
                 if not idle:
                     return None
                 target = min(idle, key=lambda s: s.last_used)
-        target.tokens.clear()
+        target.clear()
         session.last_used = now
         self._take(target, 0, now)
         return target

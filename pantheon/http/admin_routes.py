@@ -52,6 +52,25 @@ def load_options(body: Any) -> ModelOptions:
                         quantize=quantize)
 
 
+def residency(instance: ModelInstance, *, operator: bool = False) -> dict[str, Any]:
+    """`graphs` and `attention` objects, present only where the backend has them: graph slots exist (cuda)
+    and the forward has reached an attention layer on a die. The cpu backend has neither."""
+    out: dict[str, Any] = {}
+    graphs = getattr(instance.backend, "graphs", None)
+    if graphs is not None:
+        summary = graphs.counters() if operator else graphs.summary()
+        if summary is not None:
+            out["graphs"] = summary
+    if instance.on_accelerator and instance.scheduler.steps_run > 0:
+        state = instance.scheduler.state
+        n = sum(1 for k in getattr(state, "k", []) if k is not None)
+        attention: dict[str, Any] = {"ondie": n, "host": 0, "total": n}  # this backend never falls back
+        if operator:
+            attention.update(gave_up=0, impossible=0, host_engagements=0, ring_alloc_failures=0)
+        out["attention"] = attention
+    return out
+
+
 def instance_row(instance: ModelInstance) -> dict[str, Any]:
     served, sched = instance.served, instance.scheduler
     return {
@@ -65,6 +84,7 @@ def instance_row(instance: ModelInstance) -> dict[str, Any]:
         "max_concurrent_configured": sched.max_concurrent_configured,
         "context_window": sched.kv_cap,
         "context_window_configured": sched.ctx_window_configured,
+        **residency(instance, operator=True),
     }
 
 

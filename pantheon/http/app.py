@@ -17,9 +17,11 @@ import trio
 from pantheon.buildinfo import build_id
 from pantheon.chat import completion as chat_completion
 from pantheon.chat.request import parse_chat_request
+from pantheon.chat.structure import required_with_thinking
 from pantheon.config import EnvKnobs
 from pantheon.errors import ApiError
 from pantheon.http import admin_routes, session_routes
+from pantheon.http.admin_routes import residency
 from pantheon.metrics import Metrics, standard_metrics
 from pantheon.http.asgi import (
     BASE_HEADERS,
@@ -46,7 +48,6 @@ class ServerState:
     registry: Registry
     env: EnvKnobs
     backend: str
-    accelerator: bool = False
     dies_visible: int = 0
     draining: bool = False
     manager: Any = None  # pantheon.sched.manager.ModelManager
@@ -147,8 +148,10 @@ class App:
 
     async def health(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         s = self.state
+        # accelerator: whether forward passes really run on a die (any live instance on one), not a probe.
+        accelerator = any(i.on_accelerator for i in s.registry.instances)
         await send_json(send, 200, {"service": "pantheon", "status": "ok", "backend": s.backend, "build": s.build,
-                                    "accelerator": s.accelerator, "dies_visible": s.dies_visible})
+                                    "accelerator": accelerator, "dies_visible": s.dies_visible})
 
     def model_entry(self, instance: ModelInstance) -> dict[str, Any]:
         served, sched = instance.served, instance.scheduler
@@ -165,7 +168,8 @@ class App:
             entry["context_window"] = window
             entry["context_length"] = window
             entry["max_model_len"] = window
-        entry["tool_choice_required_with_thinking"] = False
+        entry["tool_choice_required_with_thinking"] = required_with_thinking(served, self.state.env)
+        entry.update(residency(instance))
         return entry
 
     async def models(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:

@@ -112,9 +112,14 @@ async def serve(options: ServeOptions, *, task_status: trio.TaskStatus[list[str]
     backend = make_backend(options)
     registry = Registry()
     metrics = standard_metrics()
-    manager = ModelManager(registry, env, backend, metrics=metrics)
-    state = ServerState(registry=registry, env=env, backend=compiled_backend(), accelerator=backend.accelerator,
-                        manager=manager, metrics=metrics)
+    die_manager = None
+    if compiled_backend() == "cuda":
+        from pantheon.kernels.cuda.dies import DieManager
+
+        die_manager = DieManager.probe(env.die_reserve_bytes)  # 0 dies without a driver: serve on the host
+    manager = ModelManager(registry, env, backend, die_manager=die_manager, metrics=metrics)
+    state = ServerState(registry=registry, env=env, backend=compiled_backend(), manager=manager, metrics=metrics,
+                        dies_visible=manager.dies_visible)
     app = App(state)
     shutdown = trio.Event()
     async with trio.open_nursery() as root:

@@ -30,6 +30,12 @@ class Backend(Protocol):
     def vector(self, gguf: GGUFFile, name: str) -> Array:
         """A small tensor (norm weights, biases) as float32, flattened."""
 
+    def weight_rows(self, w: Any, rows: np.ndarray) -> Any:
+        """The matrix made of rows `rows` (in that order) of a loaded matrix (a view when they are one run)."""
+
+    def experts(self, w: Any, n_experts: int, split: int = 1, part: int = 0) -> Any:
+        """A loaded stacked expert tensor (E * rows, cols) for `moe_ffn`; split/part pick a row group of each."""
+
     def zeros(self, shape: tuple[int, ...], dtype: Any = np.float32) -> Array: ...
 
     def empty(self, shape: tuple[int, ...], dtype: Any = np.float32) -> Array: ...
@@ -74,3 +80,33 @@ class Backend(Protocol):
     def attention_decode_batch(self, q: Array, k_pool: Array, v_pool: Array, positions: Array, scale: float,
                                out: Array | None = None, *, slot_ids: Array) -> Array:
         """One query per sequence (B, Hq, hd); sequence b attends to rows 0..positions[b] of slot slot_ids[b]."""
+
+    # -- hybrid (Gated DeltaNet) and MoE layers: B sequences of L tokens, see kernels/cpu/ssm.py and moe.py ----
+    def causal_conv1d(self, x: Array, states: Array, weight: Array, slot_ids: Array,
+                      out: Array | None = None) -> Array:
+        """silu(depthwise causal conv) of x (B, L, C) continuing conv states (S, K-1, C) in place; weight (C, K)."""
+
+    def gdn_gates(self, b: Array, alpha: Array, a: Array, dt_bias: Array) -> tuple[Array, Array]:
+        """(g, beta) = (a * softplus(alpha + dt_bias), sigmoid(b)) for b, alpha (T, Nv)."""
+
+    def gated_delta_recurrent(self, q: Array, k: Array, v: Array, g: Array, beta: Array, states: Array,
+                              slot_ids: Array, key_head: Array, scale: float, eps: float,
+                              out: Array | None = None) -> Array:
+        """Gated delta rule token by token (decode), q/k L2-normalised inside; states (S, Nv, dv, dk) in place."""
+
+    def gated_delta_chunked(self, q: Array, k: Array, v: Array, g: Array, beta: Array, states: Array,
+                            slot_ids: Array, key_head: Array, scale: float, eps: float,
+                            out: Array | None = None) -> Array:
+        """The same rule in chunks of 64 tokens (prefill); equal to the recurrent form up to rounding."""
+
+    def gated_rmsnorm(self, x: Array, z: Array, weight: Array, eps: float, out: Array | None = None) -> Array:
+        """rmsnorm(x) * weight * silu(z), row by row (x, z (N, d))."""
+
+    def sigmoid_mul(self, x: Array, gate: Array, out: Array | None = None) -> Array:
+        """x * sigmoid(gate), gate (T, N) or (T, 1)."""
+
+    def moe_route(self, logits: Array, k: int) -> tuple[Array, Array]:
+        """softmax -> top-k -> renormalise over router logits (T, E): (ids int32 (T, k), weights (T, k))."""
+
+    def moe_ffn(self, x: Array, gate: Any, up: Any, down: Any, ids: Array, weights: Array, out: Array) -> Array:
+        """out += the routed SwiGLU experts' weighted sum per token; reads only the selected experts."""

@@ -7,9 +7,13 @@ from typing import Any
 from pantheon.errors import ModelLoadError
 from pantheon.io.gguf_file import GGUFFile
 from pantheon.models.llama import LlamaModel
+from pantheon.models.qwen35 import Qwen35Model
 
 ARCHITECTURES: dict[str, Any] = {
     "llama": LlamaModel,
+    "qwen35": Qwen35Model,
+    "qwen35moe": Qwen35Model,
+    "qwen3next": Qwen35Model,
 }
 
 

@@ -23,6 +23,9 @@ class GenerationJob:
     session_key: str | None = None
     # Optional token controller (grammar constraint, reasoning budget): see TokenController.
     constraint: Any = None
+    # Prompt positions where a recurrent model should keep a state checkpoint (where the conversation history
+    # ends and this turn's generation prompt begins); the end of the prompt always gets one.
+    checkpoints: tuple[int, ...] = ()
     job_id: int = field(default_factory=lambda: next(_job_ids))
     # Set by the consumer (stop string seen, client gone); the scheduler drops the job at its next step.
     cancelled: bool = False

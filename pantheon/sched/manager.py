@@ -40,13 +40,14 @@ def slot_count(options: ModelOptions) -> int:
 
 
 class ModelManager:
-    def __init__(self, registry: Registry, env: EnvKnobs, backend: Any, dies_visible: int = 0,
+    def __init__(self, registry: Registry, env: EnvKnobs, backend: Any, die_manager: Any = None,
                  metrics: Metrics | None = None) -> None:
         self.registry = registry
         self.metrics = metrics or Metrics()
         self.env = env
-        self.backend = backend
-        self.dies_visible = dies_visible
+        self.backend = backend  # the host (cpu) backend
+        self.die_manager = die_manager  # cuda installs: the dies the driver shows (maybe none)
+        self.dies_visible = die_manager.count() if die_manager is not None else 0
         self._load_lock = trio.Lock()
         self._nursery: trio.Nursery | None = None
 
@@ -62,7 +63,7 @@ class ModelManager:
         if len(options.dies) > MAX_MODEL_DIES:
             raise ApiError(400, "invalid_request_error", f"at most {MAX_MODEL_DIES} dies per model")
         if options.dies:
-            if not self.backend.accelerator:
+            if self.die_manager is None:
                 raise load_failed(400, "'dies' needs an accelerator backend; this serve runs on the cpu backend "
                                   "(check `pantheon --backend`, or omit 'dies')")
             bad = [d for d in options.dies if d < 0 or d >= self.dies_visible]
@@ -72,6 +73,7 @@ class ModelManager:
             if inst.unloading:
                 raise load_failed(409, f"model {options.name!r} is unloading")
             if not options.dies or set(options.dies) & set(inst.dies) or not inst.dies:
+                # A replica must sit on other dies; on the cpu backend a name is loaded once.
                 raise load_failed(409, f"model {options.name!r} is already loaded")
         if len(self.registry.instances) >= MAX_INSTANCES:
             raise load_failed(507, f"the model registry is full ({MAX_INSTANCES} instances)")
@@ -87,13 +89,23 @@ class ModelManager:
         except (OSError, ValueError):
             return 1 << 62
 
+    def _backend_for(self, options: ModelOptions) -> Any:
+        """The model's first die when it names dies, else the least-used visible die, else the host."""
+        if self.dies_visible == 0:
+            return self.backend
+        from pantheon.kernels.cuda import make_backend
+
+        die = options.dies[0] if options.dies else min(range(self.dies_visible), key=self.die_manager.used)
+        return make_backend(die=die, die_manager=self.die_manager, owner=options.name)
+
     async def load(self, options: ModelOptions) -> ModelInstance:
         self._validate(options)
         async with self._load_lock:
             self._validate(options)  # again: the registry may have changed while we waited
             try:
+                backend = self._backend_for(options)
                 served: LoadedModel = await trio.to_thread.run_sync(
-                    load_served_model, options, self.env, self.backend)
+                    load_served_model, options, self.env, backend)
             except FileNotFoundError as exc:
                 raise load_failed(404, str(exc)) from None
             except ModelLoadError as exc:
@@ -108,17 +120,19 @@ class ModelManager:
                 raise load_failed(507, f"admission refused: {options.name!r} needs {weights + state} bytes "
                                   f"(weights {weights} + sequence state {state} for "
                                   f"{slot_count(options)} slots x {served.ctx_cap} tokens); {budget} available")
-            instance = self._start(served, weights, state)
+            instance = self._start(served, weights, state, backend)
         log.info("loaded %s from %s (ctx %d, %d bytes)", served.name, options.path, served.ctx_cap, weights + state)
         return instance
 
-    def _start(self, served: LoadedModel, weights: int, state: int) -> ModelInstance:
+    def _start(self, served: LoadedModel, weights: int, state: int, backend: Any) -> ModelInstance:
         opts, env = served.options, self.env
         scheduler = Scheduler(served, max_sessions=opts.resolved_max_sessions,
                               max_concurrent=opts.resolved_max_concurrent, queue_depth=env.queue_depth,
                               batched=env.batch_slots, idle_ttl_s=env.session_idle_ttl_ms / 1000.0,
                               metrics=self.metrics)
-        instance = ModelInstance(served, scheduler, dies=opts.dies, weights_bytes=weights, state_bytes=state)
+        dies = opts.dies or ((backend.die,) if backend.accelerator else ())
+        instance = ModelInstance(served, scheduler, dies=dies, weights_bytes=weights, state_bytes=state,
+                                 backend=backend)
         assert self._nursery is not None, "ModelManager.run is not running"
 
         async def run_instance() -> None:
@@ -130,13 +144,11 @@ class ModelManager:
         return instance
 
     def die_rows(self) -> list[dict[str, Any]]:
-        """`/admin/dies` rows; the cpu backend holds no dies. A backend with a die manager (cuda) provides
-        `die_status()`: one dict per die with die, card, vram_budget and vram_used."""
-        status = getattr(self.backend, "die_status", None)
-        if status is None:
+        """`/admin/dies` rows: one per die the die manager holds (none on the cpu backend)."""
+        if self.die_manager is None:
             return []
         rows = []
-        for die in status():
+        for die in self.die_manager.status():
             on_die = [i for i in self.registry.instances if die["die"] in i.dies]
             rows.append({"die": die["die"], "card": die["card"],
                          "model": on_die[0].name if on_die else "", "n_models": len(on_die),
@@ -161,4 +173,7 @@ class ModelManager:
                 self.registry.remove(inst)
                 inst.scheduler.release_state()
                 inst.served.gguf.close()
+                close = getattr(inst.backend, "close", None)
+                if close is not None and inst.backend is not self.backend:
+                    close()
         log.info("unloaded %s", name)

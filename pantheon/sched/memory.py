@@ -4,8 +4,8 @@ Levels (available memory as a share of the total, thresholds from config):
   0 normal    everything as configured
   1 elevated  below mem_elevated_pct: decode slots halved
   2 high      below mem_high_pct: one decode slot, the context window halved
-  3 critical  below mem_critical_pct: as 2, and a request that would have to queue (or open a new
-              session) is refused with 503 server_memory_constrained
+  3 critical  below mem_critical_pct: as 2, and a request that finds the queue full, or opens a new
+              session, is refused with 503 server_memory_constrained (instead of 429)
 A level is left only when available memory is back above its threshold plus a 2-point margin, so a reading
 that hovers at a threshold does not flap.
 """

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import trio
 
@@ -21,6 +22,11 @@ class ModelInstance:
     cancel_scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     weights_bytes: int = 0
     state_bytes: int = 0
+    backend: Any = None  # the backend its forward passes run on
+
+    @property
+    def on_accelerator(self) -> bool:
+        return bool(getattr(self.backend, "accelerator", False))
 
     @property
     def name(self) -> str:

@@ -40,6 +40,10 @@ from pantheon.sched.jobs import ErrorEvent, Event, FinishEvent, GenerationJob, T
 log = logging.getLogger("pantheon.sched")
 
 QUEUE_TIMEOUT_S = 30.0
+# Tokens past max_tokens a grammar-constrained call may take to reach a well-formed end.
+WIND_DOWN_TOKENS = 64
+# Recurrent models: snapshots kept per slot (the end of the history and of the prompt, for the last turns).
+MAX_CHECKPOINTS = 4
 PREFILL_CHUNK = 256
 # Before a rate has been measured (spec: "a fixed fallback before one is measured").
 FALLBACK_PREFILL_TOK_S = 100.0
@@ -60,6 +64,9 @@ class Active:
     repetition: RepetitionDetector = field(default_factory=RepetitionDetector)
     submitted_at: float = 0.0
     last_token_at: float | None = None
+    closing: bool = False  # past max_tokens, appending a constrained call's closing text
+    restore: Any = None  # recurrent models: a checkpoint to reinstall before the first prefill step
+    checkpoint: Any = None  # a snapshot taken at the end of this step, to keep on the slot
 
     @property
     def prefilling(self) -> bool:
@@ -90,7 +97,10 @@ class Scheduler:
         self.memory_critical = False
         # Sessions own up to 2 slots each; stateless turns always find one of the remaining max_concurrent.
         n_slots = max_sessions * 2 + self.max_concurrent_configured
-        self.sessions = SessionTable(n_slots=n_slots, max_sessions=max_sessions, idle_ttl_s=idle_ttl_s)
+        # Recurrent (SSM) state cannot be rewound to a shorter prefix: such models resume from checkpoints.
+        self.rewindable = getattr(served.model, "supports_prefix_rewind", True)
+        self.sessions = SessionTable(n_slots=n_slots, max_sessions=max_sessions, idle_ttl_s=idle_ttl_s,
+                                     rewindable=self.rewindable)
         self.state = served.model.new_state(n_slots, served.ctx_cap)
         self._waiting: deque[Waiting] = deque()
         self._active: list[Active] = []
@@ -99,6 +109,7 @@ class Scheduler:
         self.prefill_tok_per_s: float | None = None
         self.decode_step_s: float | None = None
         self._nursery: trio.Nursery | None = None
+        self.steps_run = 0
 
     # -- capacity ------------------------------------------------------------------------------------------
     @property
@@ -162,14 +173,14 @@ class Scheduler:
             if not self.batched:
                 raise ApiError(429, "server_busy", "a generation is already running on this model",
                                headers={"Retry-After": str(self.retry_after_s())})
-            if self.memory_critical:
-                raise ApiError(503, "server_memory_constrained",
-                               "host memory is critically low: requests that would queue are refused",
-                               headers={"Retry-After": str(self.retry_after_s())})
             if len(self._waiting) >= self.queue_depth:
+                if self.memory_critical:
+                    raise ApiError(503, "server_memory_constrained",
+                                   "host memory is critically low and the queue is full",
+                                   headers={"Retry-After": str(self.retry_after_s())})
                 raise ApiError(429, "server_busy", "all decode slots are busy and the queue is full",
                                headers={"Retry-After": str(self.retry_after_s())})
-        elif self.memory_critical and job.session_key and self.sessions.get(job.session_key) is None:
+        if self.memory_critical and job.session_key and self.sessions.get(job.session_key) is None:
             raise ApiError(503, "server_memory_constrained",
                            "host memory is critically low: new sessions are refused", headers={"Retry-After": "30"})
         send, receive = trio.open_memory_channel[Event](math.inf)
@@ -219,6 +230,7 @@ class Scheduler:
                 log.exception("forward step failed")
                 self._fail(owners, exc)
                 continue
+            self.steps_run += 1
             self._note_timing(rows, prefill, time.monotonic() - started)
             self._deliver(rows, owners, samples)
             await trio.lowlevel.checkpoint()
@@ -226,7 +238,9 @@ class Scheduler:
     def _drop_cancelled(self) -> None:
         for active in list(self._active):
             if active.job.cancelled:
-                self._release(active)
+                # The consumer stopped it (a stop string, or the client left): the turn ends here, and its
+                # usage still goes back (a closed channel just drops it).
+                self._finish(active, "stop")
         kept: deque[Waiting] = deque()
         now = time.monotonic()
         for waiting in self._waiting:
@@ -260,7 +274,7 @@ class Scheduler:
             self._active.append(Active(job=job, events=waiting.events, slot=assignment.slot,
                                        sampler=Sampler(job.sampling, self.served.model.vocab_size),
                                        prompt_done=cached, cached_tokens=cached, conflict=assignment.conflict,
-                                       submitted_at=waiting.enqueued_at))
+                                       submitted_at=waiting.enqueued_at, restore=assignment.restore))
             if cached:
                 self.metrics.inc("pantheon_tokens_cached_total", cached, model=self.served.name)
 
@@ -271,8 +285,11 @@ class Scheduler:
             self._last_step_prefill = True
             active = prefilling[0]
             start = active.prompt_done
-            # Chunk boundaries at multiples of the chunk size: the same whatever was cached.
+            # Chunk boundaries at multiples of the chunk size: the same whatever was cached. A recurrent
+            # model also stops a chunk where the job wants a checkpoint (the end of the conversation history).
             end = min(len(active.job.prompt), (start // self.prefill_chunk + 1) * self.prefill_chunk)
+            if not self.rewindable:
+                end = min([end, *(p for p in active.job.checkpoints if start < p < end)])
             last = end == len(active.job.prompt)
             chunk = np.asarray(active.job.prompt[start:end], dtype=np.int32)
             return [BatchRow(active.slot.index, chunk, start, "last" if last else "none")], [active], True
@@ -283,7 +300,17 @@ class Scheduler:
 
     def _execute(self, rows: list[BatchRow], owners: list[Active]) -> list[SampledToken | None]:
         """Worker thread: one forward pass, then sampling for every row that produced logits."""
-        logits = self.served.model.forward(self.state, rows)
+        model = self.served.model
+        for row, active in zip(rows, owners):
+            if active.restore is not None:
+                model.restore_slot(self.state, row.slot, active.restore)
+                active.restore = None
+        logits = model.forward(self.state, rows)
+        if not self.rewindable:
+            for row, active in zip(rows, owners):
+                end = row.start_pos + len(row.tokens)
+                if active.prefilling and (end in active.job.checkpoints or end == len(active.job.prompt)):
+                    active.checkpoint = model.snapshot_slot(self.state, row.slot)
         samples: list[SampledToken | None] = []
         li = 0
         for row, active in zip(rows, owners):
@@ -320,6 +347,11 @@ class Scheduler:
             if active.prefilling:
                 active.prompt_done += len(row.tokens)
                 self.metrics.inc("pantheon_tokens_prefilled_total", len(row.tokens), model=model)
+            if active.checkpoint is not None:
+                checkpoints = active.slot.checkpoints
+                checkpoints.append(active.checkpoint)
+                del checkpoints[:-MAX_CHECKPOINTS]
+                active.checkpoint = None
             if sampled is None:
                 continue
             if active.last_token_at is None:
@@ -354,10 +386,19 @@ class Scheduler:
             return
         if active.repetition.push(token):
             self._finish(active, "repetition_loop")
-        elif len(active.generated) >= active.job.max_tokens or len(active.slot.tokens) + 1 >= self.kv_cap:
-            self._finish(active, "length")
         elif controller is not None and controller.is_finished():
             self._finish(active, "stop")
+        elif len(active.slot.tokens) + 1 >= self.kv_cap:
+            self._finish(active, "length")
+        elif len(active.generated) >= active.job.max_tokens + (WIND_DOWN_TOKENS if active.closing else 0):
+            # Out of budget inside a constrained call: steer it to a well-formed end (closing the open value,
+            # letting the model write what is still required) for at most WIND_DOWN_TOKENS more tokens,
+            # rather than return a broken call.
+            if not active.closing and controller is not None and controller.wind_down():
+                active.closing = True
+                active.pending = token
+            else:
+                self._finish(active, "length")
         else:
             active.pending = token
 

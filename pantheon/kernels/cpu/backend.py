@@ -7,7 +7,8 @@ import numpy as np
 
 from pantheon.errors import ModelLoadError
 from pantheon.io.gguf_file import GGUFFile
-from pantheon.kernels.cpu import ops, quant
+from pantheon.kernels.cpu import moe, ops, quant, ssm
+from pantheon.kernels.cpu.moe import ExpertWeights
 from pantheon.kernels.cpu.quant import QWeight
 
 F32 = 0
@@ -40,6 +41,27 @@ class CpuBackend:
             return gguf.tensor_bytes(name).view(np.float32)
         w = quant.prepare_weight(gguf.tensor_bytes(name), info.qtype, info.rows, info.cols)
         return quant.dequantize_rows(w, np.arange(w.rows, dtype=np.int64)).reshape(-1)
+
+    @staticmethod
+    def weight_rows(w: QWeight, rows: np.ndarray) -> QWeight:
+        """Rows `rows` of a matrix: a view when they are one ascending run, else a copy of those rows' blocks."""
+        rows = np.asarray(rows, dtype=np.int64)
+        if rows.ndim != 1 or not len(rows) or rows.min() < 0 or rows.max() >= w.rows:
+            raise ModelLoadError(f"row selection outside a weight of {w.rows} rows")
+        start = int(rows[0])
+        if np.array_equal(rows, np.arange(start, start + len(rows))):
+            data = w.data[start : start + len(rows)]
+        else:
+            data = np.ascontiguousarray(w.data[rows])
+            data.flags.writeable = False
+        return QWeight(w.qtype, len(rows), w.cols, data)
+
+    @staticmethod
+    def experts(w: QWeight, n_experts: int, split: int = 1, part: int = 0) -> ExpertWeights:
+        try:
+            return moe.stacked_experts(w, n_experts, split, part)
+        except ValueError as exc:
+            raise ModelLoadError(str(exc)) from None
 
     # -- per-step ------------------------------------------------------------------------------------------
     def begin_step(self) -> None:
@@ -80,3 +102,11 @@ class CpuBackend:
     rope_inplace = staticmethod(ops.rope_inplace)
     swiglu = staticmethod(ops.swiglu)
     attention_decode_batch = staticmethod(ops.attention_decode_batch)
+    causal_conv1d = staticmethod(ssm.causal_conv1d)
+    gdn_gates = staticmethod(ssm.gdn_gates)
+    gated_delta_recurrent = staticmethod(ssm.gated_delta_recurrent)
+    gated_delta_chunked = staticmethod(ssm.gated_delta_chunked)
+    gated_rmsnorm = staticmethod(ssm.gated_rmsnorm)
+    sigmoid_mul = staticmethod(ssm.sigmoid_mul)
+    moe_route = staticmethod(moe.moe_route)
+    moe_ffn = staticmethod(moe.moe_ffn)

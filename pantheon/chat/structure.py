@@ -1,0 +1,161 @@
+"""What constrains a request's output: tool calls (which dialect, which tools, whether a grammar compels the
+call) and response_format (JSON). Decided per request; the grammar becomes a GrammarController per choice.
+
+Which requests are grammar-constrained (PANTHEON_TOOL_GRAMMAR):
+  unset -> tool_choice "required" only; "1" -> every request with tools ("auto" masks once a call opener
+  appears; "required" and a named function compel a call); "0" -> none. A named function without "1"
+  behaves like "auto". MiniCPM's attribute dialect has no grammar. Tools win over response_format.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import jsonschema
+import llguidance
+
+from pantheon.chat.request import ChatRequest
+from pantheon.chat.tools import Dialect, ToolSpec, dialect_for, json_object_grammar, parse_tools, tool_call_grammar
+from pantheon.config import EnvKnobs
+from pantheon.engine.constraints import GrammarController
+from pantheon.engine.loader import LoadedModel
+from pantheon.errors import ApiError, invalid_request
+
+log = logging.getLogger("pantheon.chat")
+
+# Winding a constrained call down at max_tokens: close an open parameter, JSON value or think block.
+VALUE_CLOSERS = ("\n</parameter>\n", '"', "]", "}", "\n</think>\n\n")
+# Ways to finish an open JSON value (string, array of strings, object ...) before a call's closing text.
+JSON_VALUE_CLOSERS = ('"', "]", '"]', "}", '"}', "]}", '"]}', "}]", '"}]', "\n]", "\n}")
+
+
+@dataclass
+class Structure:
+    dialect: Dialect
+    tools: list[ToolSpec] = field(default_factory=list)
+    grammar: str | None = None
+    response_format_status: str | None = None
+    json_constrained: bool = False  # a response_format JSON grammar is armed (for "not_enforced")
+
+
+def model_dialect(served: LoadedModel) -> Dialect:
+    source = None if served.template.is_fallback else served.template.source
+    return dialect_for(served.name, served.architecture, source)
+
+
+def required_with_thinking(served: LoadedModel, env: EnvKnobs) -> bool:
+    """`tool_choice_required_with_thinking` on /v1/models."""
+    return model_dialect(served).grammar_capable and env.tool_grammar is not False
+
+
+def offered_tools(served: LoadedModel, request: ChatRequest) -> tuple[Dialect, list[ToolSpec]]:
+    dialect = model_dialect(served)
+    tools = parse_tools(request.tools) if request.tools else []
+    if request.tool_choice == "none":
+        return dialect, []
+    return dialect, tools
+
+
+def _named_function(tool_choice: Any) -> str | None:
+    if isinstance(tool_choice, dict):
+        function = tool_choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(name, str) or not name:
+            raise invalid_request("tool_choice: a named choice needs function.name")
+        return name
+    if tool_choice not in ("auto", "required", "none"):
+        raise invalid_request("tool_choice must be \"none\", \"auto\", \"required\" or a named function")
+    return None
+
+
+def _tool_grammar(dialect: Dialect, tools: list[ToolSpec], request: ChatRequest, env: EnvKnobs,
+                  think_mode: str) -> str | None:
+    named = _named_function(request.tool_choice)
+    if named is not None and named not in {t.name for t in tools}:
+        raise invalid_request(f"tool_choice names function {named!r}, which is not among the offered tools")
+    if not tools or not dialect.grammar_capable or env.tool_grammar is False:
+        return None
+    if env.tool_grammar is None:  # default: only "required" is constrained
+        if request.tool_choice != "required":
+            return None
+        return tool_call_grammar(dialect, tools, mode="required", think=think_mode)
+    if named is not None:
+        return tool_call_grammar(dialect, tools, mode="required", function=named, think=think_mode)
+    mode = "required" if request.tool_choice == "required" else "auto"
+    return tool_call_grammar(dialect, tools, mode=mode, think=think_mode)
+
+
+def _response_format(request: ChatRequest, lltok: Any, think_mode: str) -> tuple[str | None, str | None]:
+    """(grammar, response_format_status) for response_format."""
+    rf = request.response_format
+    if rf is None:
+        return None, None
+    kind = rf.get("type")
+    if kind in (None, "text"):
+        return None, None
+    if kind == "json_object":
+        return json_object_grammar(None, think=think_mode), "applied"
+    if kind != "json_schema":
+        return None, "ignored_unknown_type"
+    spec = rf.get("json_schema")
+    if not isinstance(spec, dict):
+        raise invalid_request("response_format.json_schema must be an object with a 'schema'")
+    schema = spec.get("schema", {})
+    if not isinstance(schema, dict):
+        raise invalid_request("response_format.json_schema.schema must be a JSON schema object")
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        raise invalid_request(f"response_format.json_schema.schema is not a valid JSON schema: {exc.message}") from None
+    grammar = json_object_grammar(schema, think=think_mode)
+    if lltok is not None and _compile_error(lltok, grammar):
+        return json_object_grammar(None, think=think_mode), "schema_downgraded"
+    return grammar, "applied"
+
+
+def _compile_error(lltok: Any, grammar: str) -> str | None:
+    try:
+        matcher = llguidance.LLMatcher(lltok, llguidance.LLMatcher.grammar_from_lark(grammar), log_level=0)
+    except Exception as exc:  # noqa: BLE001 - the engine reports unsupported features as plain errors
+        return str(exc)
+    return matcher.get_error() if matcher.is_error() else None
+
+
+def plan(served: LoadedModel, request: ChatRequest, env: EnvKnobs, dialect: Dialect, tools: list[ToolSpec],
+         think_mode: str) -> Structure:
+    structure = Structure(dialect=dialect, tools=tools)
+    structure.grammar = _tool_grammar(dialect, tools, request, env, think_mode)
+    if request.response_format is not None:
+        if request.tools:
+            structure.response_format_status = "ignored_tools_present"
+        else:
+            grammar, structure.response_format_status = _response_format(request, served.lltokenizer, think_mode)
+            if grammar is not None:
+                structure.grammar = grammar
+                structure.json_constrained = True
+    return structure
+
+
+def grammar_controller(served: LoadedModel, structure: Structure) -> GrammarController | None:
+    """A fresh controller for one choice (matchers are stateful)."""
+    if structure.grammar is None or served.lltokenizer is None:
+        return None
+    matcher = llguidance.LLMatcher(served.lltokenizer, llguidance.LLMatcher.grammar_from_lark(structure.grammar),
+                                   log_level=0)
+    if matcher.is_error():
+        log.error("grammar does not compile (%s); decoding unconstrained", matcher.get_error())
+        if structure.json_constrained:
+            raise ApiError(500, "server_error", f"response_format grammar failed: {matcher.get_error()}")
+        return None
+    tokenizer = served.tokenizer
+    if structure.json_constrained:
+        return GrammarController(matcher, vocab_size=served.model.vocab_size, eos_id=tokenizer.eos_id,
+                                 wind_down=False)
+    texts = structure.dialect.closing_texts()
+    return GrammarController(matcher, vocab_size=served.model.vocab_size, eos_id=tokenizer.eos_id,
+                             closers=[tokenizer.encode(c) for c in texts],
+                             last_resort_closers=[tokenizer.encode(p + c) for p in JSON_VALUE_CLOSERS for c in texts],
+                             value_closers=[tokenizer.encode(c) for c in VALUE_CLOSERS],
+                             free_text_probe=tokenizer.encode("</think>"))

@@ -1,0 +1,220 @@
+"""llguidance Lark grammars for tool calls and JSON answers.
+
+`tool_call_grammar` writes, for a grammar-capable dialect, either a "required" grammar (the output is exactly
+one well-formed call, after optional whitespace) or an "auto" grammar (free text in which every call, once
+its opener appears, must be well formed; any number of calls). Arguments follow the tool's schema: every
+required key (required keys first, then the optional ones, each in schema order), text values free except
+for the closing tag, integers, numbers and booleans by regex, objects, arrays and non-text enums through
+llguidance's `%json`. In the JSON dialect's "auto" grammar only a ```json fence opens a constrained call: a
+bare object cannot be told from text at its first byte, so it stays free text (the parser still reads it).
+
+The reasoning block, when the decode has one, comes first and is unconstrained: `think="open"` when the
+prompt already opened it (the output starts inside it, up to "</think>"), `think="optional"` when the output
+may start with "<think>...</think>".
+
+The end token is allowed only where the grammar is complete, never inside a call: a serve that lets a model
+end a call early checks which of `Dialect.closing_texts()` a copy of the matcher accepts, and appends it.
+
+Markers are written as text. That matches vocabularies in which "<tool_call>" or "</think>" is an ordinary
+(user-defined) token, as in Qwen GGUFs; where a GGUF marks one as a control token, llguidance treats it as
+a special token that text in a grammar can never match.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+from pantheon.chat.tools.arguments import schema_types
+from pantheon.chat.tools.base import Dialect, ToolSpec
+from pantheon.errors import invalid_request
+
+MODES = ("required", "auto")
+THINK = ("none", "open", "optional")
+
+_COMMON = r"""
+WS: /[ \t\r\n]+/
+think_body[lazy]: /(?s:.*)<\/think>/
+"""
+_PRELUDE = {"none": "", "open": "think_body", "optional": '("<think>" think_body)?'}
+_INT = r"/-?(0|[1-9][0-9]*)/"
+_UINT = r"/(0|[1-9][0-9]*)/"
+_NUMBER = r"/-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?/"
+
+
+def tool_call_grammar(dialect: Dialect, tools: list[ToolSpec], *, mode: str, function: str | None = None,
+                      think: str = "none") -> str:
+    """A Lark grammar (llguidance dialect) constraining a decode to `dialect`'s calls of `tools`.
+
+    Raises ValueError for a dialect without grammars or an unknown mode/think value, and a 400 ApiError
+    when `function` is not among `tools` or "required" has no tool to call.
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
+    if think not in THINK:
+        raise ValueError(f"think must be one of {THINK}, not {think!r}")
+    if not dialect.grammar_capable:
+        raise ValueError(f"the {dialect.name} dialect has no grammar")
+    offered = tools
+    if function is not None:
+        offered = [t for t in tools if t.name == function]
+        if not offered:
+            raise invalid_request(f"tool_choice names function {function!r}, which is not in 'tools'")
+    if mode == "required" and not offered:
+        raise invalid_request("tool_choice 'required' needs at least one tool")
+    build = _qwen_xml if dialect.name == "qwen_xml" else _json_calls
+    return build(offered, mode, _PRELUDE[think]) + _COMMON
+
+
+def json_object_grammar(schema: dict | None, *, think: str = "none") -> str:
+    """A Lark grammar for one JSON object (valid for `schema` when given), after an optional think block."""
+    if think not in THINK:
+        raise ValueError(f"think must be one of {THINK}, not {think!r}")
+    target = _json_schema(schema) if schema else {"type": "object"}
+    return f"start: {_PRELUDE[think]} WS? answer\nanswer: %json {_dump(target)}\n" + _COMMON
+
+
+# --- Qwen3-Coder XML ---
+
+
+def _qwen_xml(tools: list[ToolSpec], mode: str, prelude: str) -> str:
+    rules: list[str] = []
+    functions = " | ".join(_qwen_function(i, t, rules) for i, t in enumerate(tools))
+    if mode == "required":
+        head = [
+            f"start: {prelude} WS? call",
+            r'call: "<tool_call>\n<function=" fn "</function>\n</tool_call>"',
+        ]
+    else:
+        openers = "<tool_call>|<function="
+        head = [
+            f"start: {prelude} (before_call call | before_bare_call bare_call)* TAIL" if tools else
+            f"start: {prelude} TAIL",
+            r"before_call[lazy]: /(?s:.*)<tool_call>/",
+            r"before_bare_call[lazy]: /(?s:.*)<function=/",
+            r'call: "\n<function=" fn "</function>\n</tool_call>"',
+            r'bare_call: fn "</function>"',
+            rf"TAIL: /(?s:.*)/ & ~/(?s:.*)({openers})(?s:.*)/",
+        ]
+    if tools:
+        head.append(f"fn: {functions}")
+    head.append(r"text_value[lazy]: /(?s:.*)<\/parameter>/")
+    return "\n".join(head + rules) + "\n"
+
+
+def _qwen_function(i: int, tool: ToolSpec, rules: list[str]) -> str:
+    """Add the rules of one function's call body; return the rule's name."""
+    params = tool.parameters
+    props = params.get("properties") if isinstance(params.get("properties"), dict) else {}
+    required = params.get("required") if isinstance(params.get("required"), list) else []
+    required = [k for k in props if k in required] + [k for k in required if isinstance(k, str) and k not in props]
+    parts = [_lit(f"{tool.name}>\n")]
+    for j, key in enumerate(required + [k for k in props if k not in required]):
+        schema = props.get(key) if isinstance(props.get(key), dict) else {}
+        value = _xml_value(schema, f"v_{i}_{j}", rules)
+        opener = _lit(f"<parameter={key}>\n")
+        if value is None:  # free text: the lazy value ends with the closing tag
+            rules.append(f'p_{i}_{j}: {opener} text_value "\\n"')
+        else:
+            rules.append(f'p_{i}_{j}: {opener} {value} "\\n</parameter>\\n"')
+        parts.append(f"p_{i}_{j}" + ("" if key in required else "?"))
+    rules.append(f"fn_{i}: " + " ".join(parts))
+    return f"fn_{i}"
+
+
+def _xml_value(schema: dict, name: str, rules: list[str]) -> str | None:
+    """The grammar of a typed XML value; None for free text (which runs up to the closing tag)."""
+    if isinstance(schema.get("enum"), list) and schema["enum"]:
+        return "(" + " | ".join(_lit(v if isinstance(v, str) else json.dumps(v)) for v in schema["enum"]) + ")"
+    if "const" in schema:
+        v = schema["const"]
+        return _lit(v if isinstance(v, str) else json.dumps(v))
+    types = schema_types(schema)
+    if not types or "string" in types:
+        return None
+    scalars = {"integer": _int_regex(schema), "number": _NUMBER, "boolean": '("true" | "false")', "null": '"null"'}
+    bounded = any(k in schema for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"))
+    if all(t in scalars for t in types) and not bounded:  # bounds: llguidance's %json enforces them
+        return "(" + " | ".join(scalars[t] for t in types) + ")" if len(types) > 1 else scalars[types[0]]
+    rules.append(f"{name}: %json {_dump(_json_schema(schema))}")
+    return name
+
+
+def _int_regex(schema: dict) -> str:
+    low = schema.get("minimum", schema.get("exclusiveMinimum"))
+    return _UINT if isinstance(low, (int, float)) and not isinstance(low, bool) and low >= 0 else _INT
+
+
+# --- JSON calls ---
+
+
+def _json_calls(tools: list[ToolSpec], mode: str, prelude: str) -> str:
+    shapes = []
+    for key in ("name", "function"):
+        for t in tools:
+            shapes.append({
+                "type": "object",
+                "properties": {key: {"const": t.name}, "arguments": _json_schema(t.parameters, root=False)},
+                "required": [key, "arguments"],
+                "additionalProperties": False,
+            })
+    call = f"call_object: %json {_dump({'anyOf': shapes, 'x-guidance': {'lenient': True}})}" if tools else ""
+    if mode == "required":
+        lines = [f"start: {prelude} WS? (call_object | fenced_call)",
+                 'fenced_call: "```json" WS? call_object WS? "```"', call]
+    elif tools:
+        lines = [f"start: {prelude} (before_call fenced_call)* TAIL",
+                 r"before_call[lazy]: /(?s:.*)```json/",
+                 'fenced_call: WS? call_object WS? "```"',
+                 r"TAIL: /(?s:.*)/ & ~/(?s:.*)```json(?s:.*)/", call]
+    else:
+        lines = [f"start: {prelude} TAIL", r"TAIL: /(?s:.*)/ & ~/(?s:.*)```json(?s:.*)/"]
+    return "\n".join(lines) + "\n"
+
+
+# --- helpers ---
+
+
+def _lit(text: str) -> str:
+    """A Lark string literal."""
+    return json.dumps(text, ensure_ascii=False)
+
+
+def _dump(schema: Any) -> str:
+    return json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
+
+
+def _json_schema(schema: Any, *, root: bool = True) -> dict:
+    """A tool schema made ready for %json: local $refs inlined, `$schema` dropped, unsupported keywords
+    ignored (lenient) rather than failing the grammar."""
+    if not isinstance(schema, dict):
+        return {}
+    defs: dict[str, Any] = {}
+    for key in ("$defs", "definitions"):
+        if isinstance(schema.get(key), dict):
+            defs.update({f"#/{key}/{name}": sub for name, sub in schema[key].items()})
+    out = _inline(schema, defs, depth=0)
+    if not isinstance(out, dict):
+        return {}
+    if "properties" in out and "type" not in out:
+        out["type"] = "object"
+    if root:
+        out["x-guidance"] = {"lenient": True}
+    return out
+
+
+def _inline(node: Any, defs: dict[str, Any], depth: int) -> Any:
+    if isinstance(node, list):
+        return [_inline(v, defs, depth) for v in node]
+    if not isinstance(node, dict):
+        return node
+    ref = node.get("$ref")
+    if isinstance(ref, str):
+        if ref in defs and depth < 8:
+            merged = {k: v for k, v in node.items() if k != "$ref"}
+            merged.update(copy.deepcopy(defs[ref]))
+            return _inline(merged, defs, depth + 1)
+        return {k: v for k, v in node.items() if k not in ("$ref",) and k not in ("$defs", "definitions")} or {}
+    return {k: _inline(v, defs, depth) for k, v in node.items()
+            if k not in ("$schema", "$defs", "definitions", "$id")}

@@ -1,0 +1,297 @@
+"""The cuda backend: the ops of pantheon.kernels.backend.Backend on numba device arrays, on one die.
+
+Weights stay in their GGUF block format in device memory (`quant.CudaWeight`); activations, KV pools and
+every array the model holds are numba device arrays (C-contiguous, so model code may reshape and slice them).
+All work is queued on one stream per backend; `to_host` is the only synchronisation point of a step.
+
+Host arrays are accepted wherever the protocol takes ids or positions: they are checked on the host (a bad
+slot, position or token id raises as on the cpu backend) and uploaded. Device arrays cannot be checked without
+a sync, so the kernels skip (kv_write) or NaN-fill (embed, decode attention) what falls outside.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from pantheon.errors import ModelLoadError
+from pantheon.io.gguf_file import GGUFFile
+from pantheon.kernels.cpu.moe import ExpertWeights, stacked_experts
+from pantheon.kernels.cuda import moe, ops, quant, ssm
+from pantheon.kernels.cuda.dies import DieBudgetExceeded, DieManager
+from pantheon.kernels.cuda.graphs import CaptureLayer, GraphResidency, default_capture_layer
+from pantheon.kernels.cuda.launch import GEOMETRY, SIMULATOR, Geometry, cuda
+from pantheon.kernels.cuda.quant import CudaWeight
+
+F32 = 0
+
+# The die whose context each thread has current (set by CudaBackend._activate); shared by every backend, since a
+# worker thread may run steps of models on different dies.
+_thread_die = threading.local()
+
+CUDA_ERROR_OUT_OF_MEMORY = 2
+
+
+@contextlib.contextmanager
+def _out_of_memory_is_memory_error(what: str) -> Iterator[None]:
+    """A failed device allocation raises MemoryError (the model manager answers 507), like a host one."""
+    try:
+        yield
+    except Exception as exc:
+        code = getattr(exc, "code", None)
+        if code is not None and int(code) == CUDA_ERROR_OUT_OF_MEMORY:
+            raise MemoryError(f"{what}: out of device memory") from exc
+        raise
+
+
+class CudaBackend:
+    name = "cuda"
+    accelerator = True
+
+    def __init__(self, die: int = 0, die_manager: DieManager | None = None, owner: str = "",
+                 geometry: Geometry = GEOMETRY, capture: CaptureLayer | None = None) -> None:
+        """A backend whose arrays live on `die` (an ordinal of the die manager; CUDA_VISIBLE_DEVICES-relative).
+
+        `owner` names the model in the die manager's accounting of weight bytes."""
+        self.die = int(die)
+        self.die_manager = die_manager
+        self.owner = owner
+        self.geometry = geometry
+        self._activate()
+        self.stream = cuda.stream()
+        self._placeholder = cuda.to_device(np.zeros((1, 1), np.float32), stream=self.stream)
+        self._dummy_ids = cuda.to_device(np.zeros(1, np.int32), stream=self.stream)
+        self._scratch = ops.DecodeScratch()
+        # The split-K partials are one buffer: two threads' attention calls must not interleave their launches.
+        self._attention_lock = threading.Lock()
+        self.weight_bytes = 0
+        self.graphs = GraphResidency(capture if capture is not None else default_capture_layer())
+
+    # -- weights and memory --------------------------------------------------------------------------------
+    def weight(self, gguf: GGUFFile, name: str) -> CudaWeight:
+        info = gguf.tensors[name]
+        try:
+            nbytes = info.rows * quant.row_bytes(int(info.qtype), info.rows, info.cols)
+        except ValueError as exc:  # UnsupportedTensorType included
+            raise ModelLoadError(f"{gguf.path}: tensor {name!r}: {exc}") from None
+        self._charge(nbytes, name)
+        try:
+            with _out_of_memory_is_memory_error(name):
+                w = quant.upload_weight(gguf.tensor_bytes(name), info.qtype, info.rows, info.cols,
+                                        self._placeholder, self.stream)
+        except ValueError as exc:
+            self._release(nbytes)
+            raise ModelLoadError(f"{gguf.path}: tensor {name!r}: {exc}") from None
+        return w
+
+    def weight_from_raw(self, raw: np.ndarray, qtype: int, rows: int, cols: int) -> CudaWeight:
+        """A matrix from GGUF-format bytes built in memory (quantize-at-load), copied to the device as is."""
+        try:
+            nbytes = int(rows) * quant.row_bytes(int(qtype), int(rows), int(cols))
+        except ValueError as exc:
+            raise ModelLoadError(f"in-memory tensor: {exc}") from None
+        self._charge(nbytes, "in-memory tensor")
+        try:
+            with _out_of_memory_is_memory_error("in-memory tensor"):
+                return quant.upload_weight(raw, qtype, rows, cols, self._placeholder, self.stream)
+        except ValueError as exc:
+            self._release(nbytes)
+            raise ModelLoadError(f"in-memory tensor: {exc}") from None
+
+    def weight_rows(self, w: CudaWeight, rows: np.ndarray) -> CudaWeight:
+        """Rows `rows` of a matrix: a device view when they are one ascending run, else a device-side copy of
+        those rows' blocks (charged to the die)."""
+        rows = np.asarray(rows, dtype=np.int64)
+        if rows.ndim != 1 or not len(rows) or rows.min() < 0 or rows.max() >= w.rows:
+            raise ModelLoadError(f"row selection outside a weight of {w.rows} rows")
+        start = int(rows[0])
+        if np.array_equal(rows, np.arange(start, start + len(rows))):
+            data = w.data[start : start + len(rows)]
+        else:
+            self._charge(len(rows) * int(w.data.shape[1]), "row selection")
+            data = ops.gather_rows(w.data, self.upload(rows), self.stream, self.geometry)
+        f32 = data.view(np.float32) if w.qtype == F32 else self._placeholder
+        return CudaWeight(w.qtype, len(rows), w.cols, data, data.view(np.float16), f32)
+
+    @staticmethod
+    def experts(w: CudaWeight, n_experts: int, split: int = 1, part: int = 0) -> ExpertWeights:
+        try:
+            return stacked_experts(w, n_experts, split, part)
+        except ValueError as exc:
+            raise ModelLoadError(str(exc)) from None
+
+    def vector(self, gguf: GGUFFile, name: str) -> Any:
+        """A small tensor (norm weights) as float32 on the device; quantized ones are dequantized on the host."""
+        info = gguf.tensors[name]
+        if info.qtype == F32:
+            host = np.ascontiguousarray(gguf.tensor_bytes(name)).view(np.float32)
+        else:
+            from pantheon.kernels.cpu import quant as cpu_quant
+
+            w = cpu_quant.prepare_weight(gguf.tensor_bytes(name), info.qtype, info.rows, info.cols)
+            host = cpu_quant.dequantize_rows(w, np.arange(w.rows, dtype=np.int64)).reshape(-1)
+        self._charge(host.nbytes, name)
+        return cuda.to_device(host, stream=self.stream)
+
+    def _charge(self, nbytes: int, what: str) -> None:
+        if self.die_manager is not None:
+            try:
+                self.die_manager.charge(self.die, self.owner, nbytes)
+            except DieBudgetExceeded as exc:
+                raise MemoryError(f"{what}: {exc}") from None
+        self.weight_bytes += nbytes
+
+    def _release(self, nbytes: int) -> None:
+        if self.die_manager is not None:
+            self.die_manager.release(self.die, self.owner, nbytes)
+        self.weight_bytes -= nbytes
+
+    def close(self) -> None:
+        """Give this backend's weight bytes back to the die manager (the arrays go with their last reference)."""
+        if self.weight_bytes:
+            self._release(self.weight_bytes)
+
+    def die_status(self) -> list[dict[str, Any]]:
+        """`/admin/dies` rows from the die manager (die, card, vram_budget, vram_used)."""
+        return self.die_manager.status() if self.die_manager is not None else []
+
+    def zeros(self, shape: tuple[int, ...], dtype: Any = np.float32) -> Any:
+        return ops.fill(self.empty(shape, dtype), 0, self.stream, self.geometry)
+
+    def empty(self, shape: tuple[int, ...], dtype: Any = np.float32) -> Any:
+        with _out_of_memory_is_memory_error(f"array {tuple(shape)}"):
+            return cuda.device_array(shape, dtype=dtype, stream=self.stream)
+
+    def upload(self, host: np.ndarray) -> Any:
+        return cuda.to_device(np.ascontiguousarray(host), stream=self.stream)
+
+    def to_host(self, array: Any) -> np.ndarray:
+        if isinstance(array, np.ndarray):
+            return array
+        host = array.copy_to_host(stream=self.stream)
+        self.stream.synchronize()
+        return host
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()
+
+    def begin_step(self) -> None:
+        self._activate()
+
+    def _activate(self) -> None:
+        """Make this backend's die current on the calling thread (steps run on trio's worker threads)."""
+        if SIMULATOR or getattr(_thread_die, "die", None) == self.die:
+            return
+        from numba.cuda.cudadrv import devices
+        from numba.cuda.cudadrv.driver import driver
+
+        # Set, not push: a worker thread that ran another die's step before must not grow its context stack.
+        context = devices.gpus[self.die].get_primary_context()
+        driver.cuCtxSetCurrent(context.handle)
+        context.prepare_for_use()
+        _thread_die.die = self.die
+
+    # -- ops -----------------------------------------------------------------------------------------------
+    def matmul(self, w: CudaWeight, x: Any, out: Any = None) -> Any:
+        return quant.matmul(w, self._device(x), out, self.stream, self.geometry)
+
+    def embed(self, w: CudaWeight, ids: Any) -> Any:
+        if isinstance(ids, np.ndarray):
+            ids = self._checked(ids, 0, w.rows, "token id")
+        return quant.embed(w, ids, self.stream, self.geometry)
+
+    def gather_rows(self, x: Any, rows: Any) -> Any:
+        if isinstance(rows, np.ndarray):
+            rows = self._checked(rows, 0, x.shape[0], "row")
+        return ops.gather_rows(x, rows, self.stream, self.geometry)
+
+    def rmsnorm(self, x: Any, weight: Any, eps: float, out: Any = None) -> Any:
+        return ops.rmsnorm(self._device(x), weight, eps, out, self.stream, self.geometry)
+
+    def add_rmsnorm(self, residual: Any, delta: Any, weight: Any, eps: float, out: Any) -> None:
+        ops.add_rmsnorm(residual, delta, weight, eps, out, self.stream, self.geometry)
+
+    def rope_inplace(self, x: Any, positions: Any, n_rot: int, freq_base: float, neox: bool,
+                     freq_scale: float = 1.0) -> None:
+        ops.rope_inplace(x, self._device(positions), n_rot, freq_base, neox, freq_scale, self.stream, self.geometry)
+
+    def swiglu(self, gate: Any, up: Any, out: Any = None) -> Any:
+        return ops.swiglu(gate, up, out, self.stream, self.geometry)
+
+    def kv_write(self, pool: Any, slots: Any, positions: Any, values: Any) -> None:
+        if isinstance(slots, np.ndarray):
+            slots = self._checked(slots, 0, pool.shape[0], "slot")
+        if isinstance(positions, np.ndarray):
+            positions = self._checked(positions, 0, pool.shape[1], "position")
+        ops.kv_write(pool, slots, positions, values, self.stream, self.geometry)
+
+    def attention(self, q: Any, k_pool: Any, v_pool: Any, slot: int, start_pos: int, scale: float,
+                  out: Any = None) -> Any:
+        with self._attention_lock:
+            return ops.attention(q, k_pool, v_pool, int(slot), int(start_pos), scale, out, self._scratch,
+                                 self._dummy_ids, self.stream, self.geometry)
+
+    def attention_decode_batch(self, q: Any, k_pool: Any, v_pool: Any, positions: Any, scale: float,
+                               out: Any = None, *, slot_ids: Any) -> Any:
+        if isinstance(slot_ids, np.ndarray):
+            slot_ids = self._checked(slot_ids, 0, k_pool.shape[0], "slot id", ValueError)
+        if isinstance(positions, np.ndarray):
+            positions = self._checked(positions, 0, k_pool.shape[1], "position", ValueError)
+        with self._attention_lock:
+            return ops.attention_decode_batch(q, k_pool, v_pool, positions, scale, out, slot_ids=slot_ids,
+                                              scratch=self._scratch, stream=self.stream, geometry=self.geometry)
+
+    # -- hybrid (Gated DeltaNet) and MoE layers ---------------------------------------------------------------
+    def causal_conv1d(self, x: Any, states: Any, weight: Any, slot_ids: Any, out: Any = None) -> Any:
+        return ssm.causal_conv1d(x, states, weight, slot_ids, out, self.stream, self.geometry)
+
+    def gdn_gates(self, b: Any, alpha: Any, a: Any, dt_bias: Any) -> tuple[Any, Any]:
+        return ssm.gdn_gates(b, alpha, a, dt_bias, self.stream, self.geometry)
+
+    def gated_delta_recurrent(self, q: Any, k: Any, v: Any, g: Any, beta: Any, states: Any, slot_ids: Any,
+                              key_head: Any, scale: float, eps: float, out: Any = None) -> Any:
+        return ssm.gated_delta(q, k, v, g, beta, states, slot_ids, key_head, scale, eps, out,
+                               "gated_delta_recurrent", self.stream, self.geometry)
+
+    def gated_delta_chunked(self, q: Any, k: Any, v: Any, g: Any, beta: Any, states: Any, slot_ids: Any,
+                            key_head: Any, scale: float, eps: float, out: Any = None) -> Any:
+        # The column-parallel kernel serves both forms (see pantheon.kernels.cuda.ssm).
+        return ssm.gated_delta(q, k, v, g, beta, states, slot_ids, key_head, scale, eps, out,
+                               "gated_delta_chunked", self.stream, self.geometry)
+
+    def gated_rmsnorm(self, x: Any, z: Any, weight: Any, eps: float, out: Any = None) -> Any:
+        return ssm.gated_rmsnorm(x, z, weight, eps, out, self.stream, self.geometry)
+
+    def sigmoid_mul(self, x: Any, gate: Any, out: Any = None) -> Any:
+        return ssm.sigmoid_mul(x, gate, out, self.stream, self.geometry)
+
+    def moe_route(self, logits: Any, k: int) -> tuple[Any, Any]:
+        return moe.moe_route(self._device(logits), k, self.stream, self.geometry)
+
+    def moe_ffn(self, x: Any, gate: ExpertWeights, up: ExpertWeights, down: ExpertWeights, ids: Any, weights: Any,
+                out: Any) -> Any:
+        for experts in (gate, up, down):
+            if experts.weight.qtype not in quant.SUPPORTED_TYPES:
+                raise quant.UnsupportedTensorType(f"ggml tensor type {experts.weight.qtype} is not supported")
+        ids_host = np.asarray(self.to_host(ids))  # the grouping by expert runs on the host (a sync)
+        return moe.moe_ffn(x, gate, up, down, ids, self._device(weights), out, ids_host, self.stream, self.geometry)
+
+    # -- helpers -------------------------------------------------------------------------------------------
+    def _device(self, array: Any) -> Any:
+        return self.upload(array) if isinstance(array, np.ndarray) else array
+
+    def _checked(self, values: np.ndarray, lo: int, hi: int, what: str, error: type[Exception] = IndexError) -> Any:
+        """Upload ids or positions after checking them on the host (errors as the cpu backend raises them)."""
+        if values.ndim != 1 or values.dtype.kind not in "iu":
+            raise ValueError(f"{what}s must be a 1-D integer array, got {values.dtype} {values.shape}")
+        if values.size and (int(values.min()) < lo or int(values.max()) >= hi):
+            bad = int(values.min()) if int(values.min()) < lo else int(values.max())
+            raise error(f"{what} {bad} outside [{lo}, {hi})")
+        return self.upload(values.astype(np.int32 if what != "token id" else np.int64))
+
+
+__all__ = ["CudaBackend"]

@@ -1,0 +1,337 @@
+"""Tool-call and JSON grammars, checked with llguidance matchers over the default model's vocabulary.
+
+No model runs: each sample text is tokenized and fed to a matcher built from the generated grammar, which
+must accept it (consumed, accepting), or reject it (a token refused). Samples the grammar accepts are also
+parsed by the dialect's parser, which must find exactly the one call.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+import llguidance
+import llguidance.numpy as llnp
+import numpy as np
+import pytest
+
+from pantheon.chat.tools import DIALECTS, CallEnd, CallError, parse_tools
+from pantheon.chat.tools.grammar import json_object_grammar, tool_call_grammar
+from pantheon.config import read_env
+from pantheon.errors import ApiError
+from pantheon.io.gguf_file import open_gguf
+from pantheon.io.tokenizer import Tokenizer
+
+SCHEMA_URL = "https://json-schema.org/draft/2020-12/schema"
+BIG = 9007199254740991
+
+
+def _tool(name: str, props: dict, required: list[str]) -> dict:
+    return {"type": "function", "function": {"name": name, "description": f"{name}: see the docs {{like this}}",
+                                             "parameters": {"$schema": SCHEMA_URL, "type": "object",
+                                                            "properties": props, "required": required,
+                                                            "additionalProperties": False}}}
+
+
+def _int(**extra: object) -> dict:
+    return {"type": "integer", "minimum": -BIG, "maximum": BIG, **extra}
+
+
+# Shaped like what opencode sends: ten tools, draft 2020-12 schemas, JS-safe integer bounds, enums, arrays
+# of objects.
+OPENCODE_LIKE = parse_tools([
+    _tool("bash", {"command": {"type": "string"}, "timeout": {"type": "number"}, "description": {"type": "string"}},
+          ["command", "description"]),
+    _tool("read", {"filePath": {"type": "string"}, "offset": _int(), "limit": _int()}, ["filePath"]),
+    _tool("write", {"content": {"type": "string"}, "filePath": {"type": "string"}}, ["content", "filePath"]),
+    _tool("edit", {"filePath": {"type": "string"}, "oldString": {"type": "string"}, "newString": {"type": "string"},
+                   "replaceAll": {"type": "boolean"}}, ["filePath", "oldString", "newString"]),
+    _tool("glob", {"pattern": {"type": "string"}, "path": {"type": "string"}}, ["pattern"]),
+    _tool("grep", {"pattern": {"type": "string"}, "path": {"type": "string"}, "include": {"type": "string"}},
+          ["pattern"]),
+    _tool("list", {"path": {"type": "string"}, "ignore": {"type": "array", "items": {"type": "string"}}}, []),
+    _tool("webfetch", {"url": {"type": "string", "format": "uri"},
+                       "format": {"type": "string", "enum": ["text", "markdown", "html"]},
+                       "timeout": {"type": "number", "minimum": 0}}, ["url", "format"]),
+    _tool("todowrite", {"todos": {"type": "array", "items": {
+        "type": "object", "properties": {
+            "content": {"type": "string"}, "status": {"type": "string", "enum": ["pending", "in_progress", "done"]},
+            "priority": {"type": "string", "enum": ["high", "medium", "low"]}, "id": {"type": "string"}},
+        "required": ["content", "status", "priority", "id"], "additionalProperties": False}}}, ["todos"]),
+    _tool("task", {"description": {"type": "string"}, "prompt": {"type": "string"},
+                   "subagent_type": {"type": "string"}, "count": _int(minimum=1)},
+          ["description", "prompt", "subagent_type"]),
+])
+QWEN = DIALECTS["qwen_xml"]
+JSON = DIALECTS["json"]
+
+
+class Vocab:
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.ll = llguidance.LLTokenizer(tokenizer.hf_tokenizer_json(), eos_token=tokenizer.eos_id)
+
+    def matcher(self, grammar: str) -> llguidance.LLMatcher:
+        m = llguidance.LLMatcher(self.ll, grammar, log_level=0)
+        assert not m.is_error(), m.get_error()
+        return m
+
+    def run(self, grammar: str, text: str) -> str:
+        """'accept', 'incomplete' (every token taken, more needed) or 'reject'."""
+        m = self.matcher(grammar)
+        ids = self.tokenizer.encode(text, parse_special=False)
+        if m.validate_tokens(ids) < len(ids):
+            return "reject"
+        assert m.consume_tokens(ids)
+        return "accept" if m.is_accepting() else "incomplete"
+
+    def eos_allowed(self, grammar: str, text: str) -> bool:
+        m = self.matcher(grammar)
+        assert m.consume_tokens(self.tokenizer.encode(text, parse_special=False))
+        mask = np.frombuffer(m.compute_bitmask(), dtype=np.uint8)
+        eos = self.tokenizer.eos_id
+        return bool(mask[eos // 8] >> (eos % 8) & 1)
+
+
+@pytest.fixture(scope="module")
+def vocab(default_model_path: Path) -> Vocab:
+    gguf = open_gguf(default_model_path, read_env().cache_dir)
+    return Vocab(Tokenizer.from_gguf_metadata(gguf.metadata))
+
+
+def xml_call(name: str, params: list[tuple[str, str]]) -> str:
+    body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params)
+    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
+
+
+READ = xml_call("read", [("filePath", "src/main.py"), ("offset", "10")])
+EDIT = xml_call("edit", [("filePath", "a.py"), ("oldString", "x = 1\n  </param>\ny"), ("newString", "x = 2"),
+                         ("replaceAll", "true")])
+TODO = xml_call("todowrite", [("todos", '[{"content": "fix it", "status": "pending", "priority": "high", "id": "1"}]')])
+FETCH = xml_call("webfetch", [("url", "https://example.com"), ("format", "markdown"), ("timeout", "2.5")])
+
+
+def parsed_calls(dialect_name: str, text: str) -> list:
+    parser = DIALECTS[dialect_name].parser(OPENCODE_LIKE)
+    events = parser.feed(text) + parser.finish()
+    return [e for e in events if isinstance(e, (CallEnd, CallError))]
+
+
+# --- Qwen3-Coder XML, required ---
+
+
+@pytest.mark.parametrize("text", [READ, EDIT, TODO, FETCH, "\n\n" + READ,
+                                  xml_call("list", []), xml_call("read", [("filePath", "12")])])
+def test_qwen_required_accepts_well_formed_calls(vocab: Vocab, text: str) -> None:
+    grammar = tool_call_grammar(QWEN, OPENCODE_LIKE, mode="required")
+    assert vocab.run(grammar, text) == "accept"
+    found = parsed_calls("qwen_xml", text)
+    assert len(found) == 1 and isinstance(found[0], CallEnd)
+
+
+@pytest.mark.parametrize(("name", "text"), [
+    ("prose", "I will read the file.\n" + READ),
+    ("prose_only", "Hello there"),
+    ("missing_required", xml_call("read", [("offset", "10")])),
+    ("required_after_optional", xml_call("edit", [("filePath", "a"), ("replaceAll", "true"), ("oldString", "x"),
+                                                   ("newString", "y")])),
+    ("integer_not_a_number", xml_call("read", [("filePath", "a"), ("offset", "ten")])),
+    ("boolean_word", xml_call("edit", [("filePath", "a"), ("oldString", "x"), ("newString", "y"),
+                                       ("replaceAll", "yes")])),
+    ("enum_value", xml_call("webfetch", [("url", "u"), ("format", "pdf")])),
+    ("array_not_json", xml_call("todowrite", [("todos", "fix it")])),
+    ("array_item_missing_key", xml_call("todowrite", [("todos", '[{"content": "x"}]')])),
+    ("unknown_function", xml_call("delete", [("filePath", "a")])),
+    ("unknown_parameter", xml_call("read", [("filePath", "a"), ("encoding", "utf-8")])),
+    ("negative_with_minimum", xml_call("task", [("description", "d"), ("prompt", "p"), ("subagent_type", "s"),
+                                                ("count", "-1")])),
+])
+def test_qwen_required_rejects(vocab: Vocab, name: str, text: str) -> None:
+    grammar = tool_call_grammar(QWEN, OPENCODE_LIKE, mode="required")
+    assert vocab.run(grammar, text) == "reject"
+
+
+def test_qwen_required_with_think(vocab: Vocab) -> None:
+    optional = tool_call_grammar(QWEN, OPENCODE_LIKE, mode="required", think="optional")
+    assert vocab.run(optional, "<think>\nThe user wants main.py; <tool_call> later.\n</think>\n\n" + READ) == "accept"
+    assert vocab.run(optional, READ) == "accept"
+    assert vocab.run(optional, "<think>\nhm\n</think>\nSure! " + READ) == "reject"
+    opened = tool_call_grammar(QWEN, OPENCODE_LIKE, mode="required", think="open")
+    assert vocab.run(opened, "I should read it.\n</think>\n\n" + READ) == "accept"
+    assert vocab.run(opened, READ) == "incomplete"  # still inside the reasoning: only </think> ends it
+
+
+def test_qwen_required_named_function(vocab: Vocab) -> None:
+    grammar = tool_call_grammar(QWEN, OPENCODE_LIKE, mode="required", function="edit")
+    assert vocab.run(grammar, EDIT) == "accept"
+    assert vocab.run(grammar, READ) == "reject"
+    with pytest.raises(ApiError) as info:
+        tool_call_grammar(QWEN, OPENCODE_LIKE, mode="required", function="nope")
+    assert info.value.status == 400
+
+
+def test_end_token_only_where_the_call_is_complete(vocab: Vocab) -> None:
+    required = tool_call_grammar(QWEN, OPENCODE_LIKE, mode="required", think="open")
+    assert not vocab.eos_allowed(required, "")
+    assert not vocab.eos_allowed(required, "thinking</think>\n")
+    assert not vocab.eos_allowed(required, "x</think>\n" + READ[:40])
+    assert vocab.eos_allowed(required, "x</think>\n" + READ)
+    auto = tool_call_grammar(QWEN, OPENCODE_LIKE, mode="auto")
+    assert vocab.eos_allowed(auto, "Just text")
+    assert not vocab.eos_allowed(auto, "Text " + READ[:40])
+    assert vocab.eos_allowed(auto, "Text " + READ)
+
+
+def test_closing_texts_complete_a_truncated_required_call(vocab: Vocab) -> None:
+    """What a serve does when the model ends inside a call: find a closing text the matcher takes to the end."""
+    grammar = tool_call_grammar(QWEN, OPENCODE_LIKE, mode="required")
+    cut_points = [READ.index("<parameter=offset>"), READ.index("10") + 2, READ.index("</function>"),
+                  EDIT.index("x = 2") + 3]
+    for text, cut in zip([READ, READ, READ, EDIT], cut_points):
+        m = vocab.matcher(grammar)
+        assert m.consume_tokens(vocab.tokenizer.encode(text[:cut], parse_special=False))
+        assert not m.is_accepting()
+        closed = []
+        for closing in QWEN.closing_texts():
+            trial = m.deep_copy()
+            ids = vocab.tokenizer.encode(closing, parse_special=False)
+            if trial.validate_tokens(ids) == len(ids) and trial.consume_tokens(ids) and trial.is_accepting():
+                closed.append(closing)
+        assert closed, text[:cut]
+
+
+# --- Qwen3-Coder XML, auto ---
+
+
+@pytest.mark.parametrize("text", [
+    "Just an answer, with <b>markup</b> and a < b.",
+    "Let me look.\n\n" + READ,
+    "First " + READ + "\nthen " + EDIT + "\nDone.",
+    "Bare opener:\n<function=read>\n<parameter=filePath>\nx\n</parameter>\n</function>\nok",
+    "",
+])
+def test_qwen_auto_accepts_text_and_calls(vocab: Vocab, text: str) -> None:
+    assert vocab.run(tool_call_grammar(QWEN, OPENCODE_LIKE, mode="auto"), text) == "accept"
+
+
+@pytest.mark.parametrize("text", [
+    "Let me look. <tool_call>\nI will read the file",
+    "Let me look. <tool_call>\n<function=delete>\n",
+    "Text " + xml_call("read", [("offset", "1")]),
+    "Text <function=read>\n<parameter=filePath>\nx\n</parameter>\n<parameter=limit>\nmany\n",
+])
+def test_qwen_auto_rejects_a_malformed_call_after_an_opener(vocab: Vocab, text: str) -> None:
+    assert vocab.run(tool_call_grammar(QWEN, OPENCODE_LIKE, mode="auto"), text) == "reject"
+
+
+def test_qwen_auto_after_open_think(vocab: Vocab) -> None:
+    grammar = tool_call_grammar(QWEN, OPENCODE_LIKE, mode="auto", think="open")
+    assert vocab.run(grammar, "Maybe <tool_call> garbage here.</think>\nAnswer " + READ) == "accept"
+    assert vocab.run(grammar, "ok</think>\n<tool_call>\nbad") == "reject"
+
+
+# --- JSON calls ---
+
+JSON_READ = '{"name": "read", "arguments": {"filePath": "a.py", "limit": 20}}'
+
+
+@pytest.mark.parametrize("text", [
+    JSON_READ, "\n" + JSON_READ, "```json\n" + JSON_READ + "\n```",
+    '{"function": "todowrite", "arguments": {"todos": [{"content": "c", "status": "done", "priority": "low", "id": "1"}]}}',
+])
+def test_json_required_accepts(vocab: Vocab, text: str) -> None:
+    grammar = tool_call_grammar(JSON, OPENCODE_LIKE, mode="required")
+    assert vocab.run(grammar, text) == "accept"
+    found = parsed_calls("json", text.strip())
+    assert len(found) == 1 and isinstance(found[0], CallEnd)
+
+
+@pytest.mark.parametrize("text", [
+    "Sure: " + JSON_READ,
+    '{"name": "read", "arguments": {"limit": 20}}',
+    '{"name": "read", "arguments": {"filePath": "a.py", "limit": "20"}}',
+    '{"name": "delete", "arguments": {}}',
+    '{"name": "read", "arguments": {"filePath": "a.py", "mode": 1}}',
+])
+def test_json_required_rejects(vocab: Vocab, text: str) -> None:
+    assert vocab.run(tool_call_grammar(JSON, OPENCODE_LIKE, mode="required"), text) == "reject"
+
+
+def test_json_auto_and_think(vocab: Vocab) -> None:
+    auto = tool_call_grammar(JSON, OPENCODE_LIKE, mode="auto", think="optional")
+    assert vocab.run(auto, "No call needed, {braces} are fine.") == "accept"
+    assert vocab.run(auto, "<think>plan</think>Reading.\n```json\n" + JSON_READ + "\n```\nDone") == "accept"
+    assert vocab.run(auto, 'Reading.\n```json\n{"name": "read", "arguments": {}}') == "reject"
+    required = tool_call_grammar(JSON, OPENCODE_LIKE, mode="required", think="open")
+    assert vocab.run(required, "plan</think>\n\n" + JSON_READ) == "accept"
+
+
+def test_grammar_arguments_are_checked() -> None:
+    with pytest.raises(ValueError):
+        tool_call_grammar(DIALECTS["minicpm_xml"], OPENCODE_LIKE, mode="required")
+    with pytest.raises(ValueError):
+        tool_call_grammar(QWEN, OPENCODE_LIKE, mode="sometimes")
+    with pytest.raises(ValueError):
+        tool_call_grammar(QWEN, OPENCODE_LIKE, mode="auto", think="maybe")
+    with pytest.raises(ApiError):
+        tool_call_grammar(QWEN, [], mode="required")
+
+
+def test_auto_without_tools_is_free_text(vocab: Vocab) -> None:
+    for dialect in (QWEN, JSON):
+        assert vocab.run(tool_call_grammar(dialect, [], mode="auto"), "anything at all") == "accept"
+
+
+# --- response_format ---
+
+PERSON = {"$schema": SCHEMA_URL, "type": "object", "properties": {"name": {"type": "string"}, "age": _int(minimum=0)},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+def test_json_object_grammar(vocab: Vocab) -> None:
+    free = json_object_grammar(None)
+    assert vocab.run(free, '{"anything": [1, 2, {"x": null}]}') == "accept"
+    assert vocab.run(free, "[1, 2]") == "reject"
+    assert vocab.run(free, "Here you go: {}") == "reject"
+    person = json_object_grammar(PERSON)
+    assert vocab.run(person, '{"name": "Ada", "age": 36}') == "accept"
+    assert vocab.run(person, '{"name": "Ada"}') == "reject"
+    assert vocab.run(person, '{"name": "Ada", "age": "36"}') == "reject"
+    assert vocab.run(person, '{"name": "Ada", "age": -1}') == "reject"
+    thinking = json_object_grammar(PERSON, think="optional")
+    assert vocab.run(thinking, '<think>easy</think>\n{"name": "Ada", "age": 36}') == "accept"
+    assert vocab.run(thinking, '{"name": "Ada", "age": 36}') == "accept"
+    refs = {"type": "object", "$defs": {"P": PERSON}, "properties": {"who": {"$ref": "#/$defs/P"}}, "required": ["who"]}
+    assert vocab.run(json_object_grammar(refs), '{"who": {"name": "Ada", "age": 36}}') == "accept"
+    assert vocab.run(json_object_grammar(refs), '{"who": {"name": "Ada"}}') == "reject"
+
+
+# --- mask cost ---
+
+
+def test_mask_computation_cost(vocab: Vocab, capsys: pytest.CaptureFixture[str]) -> None:
+    """Walk a long call (a file write) token by token, computing every mask; report the cost."""
+    content = "\n".join(f"    line {i}: value = compute({i}, 'x') # <tag> & more" for i in range(60))
+    text = "Writing the file.\n\n" + xml_call("write", [("content", content), ("filePath", "src/out.py")])
+    rows = []
+    for mode in ("required", "auto"):
+        grammar = tool_call_grammar(QWEN, OPENCODE_LIKE, mode=mode)
+        started = time.perf_counter()
+        m = vocab.matcher(grammar)
+        compile_ms = (time.perf_counter() - started) * 1e3
+        mask = llnp.allocate_token_bitmask(1, vocab.ll.vocab_size)
+        ids = vocab.tokenizer.encode(text if mode == "auto" else text.split("\n\n", 1)[1], parse_special=False)
+        times = []
+        for t in ids:
+            started = time.perf_counter()
+            llnp.fill_next_token_bitmask(m, mask)
+            times.append((time.perf_counter() - started) * 1e3)
+            assert m.consume_token(t), m.get_error()
+        assert m.is_accepting()
+        times.sort()
+        rows.append(f"{mode}: compile {compile_ms:.1f} ms, {len(times)} masks, mean {statistics.mean(times):.3f} ms, "
+                    f"p50 {times[len(times) // 2]:.3f} ms, p99 {times[int(len(times) * 0.99)]:.3f} ms, "
+                    f"max {times[-1]:.3f} ms")
+    with capsys.disabled():
+        print("\nmask cost (10 opencode-like tools, 49k vocab):\n  " + "\n  ".join(rows))
