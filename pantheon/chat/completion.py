@@ -53,6 +53,9 @@ class Completion:
     jobs: list[GenerationJob] = field(default_factory=list)
     channels: list[trio.MemoryReceiveChannel[Any]] = field(default_factory=list)
     grammars: list[Any] = field(default_factory=list)  # per choice: its GrammarController or None
+    # Events already taken from a choice's channel (the first one, to learn whether it started) and not
+    # yet consumed.
+    early_events: dict[int, list[Any]] = field(default_factory=dict)
     n_status: str | None = None
     structure: Structure | None = None
 
@@ -90,7 +93,7 @@ def start_completion(instance: ModelInstance, request: ChatRequest, env: EnvKnob
         job = GenerationJob(prompt=prompt.tokens, sampling=_sampling(request, i), max_tokens=request.max_tokens,
                             stop_ids=stop_ids, session_key=request.session_id if i == 0 else None,
                             constraint=_controller(served, request, prompt, grammar),
-                            checkpoints=(prompt.history_end,) if prompt.history_end else ())
+                            history_end=prompt.history_end)
         try:
             channel = instance.scheduler.submit(job)
         except ApiError as exc:
@@ -148,13 +151,34 @@ def _choice_extras(result: ChoiceResult) -> dict[str, Any]:
     return {}
 
 
+async def wait_until_started(completion: Completion) -> None:
+    """Wait for the first choice's first event: a stream's status line is only sent once the request has
+    left the queue and produced something, so a refusal while queued (429 after the queue timeout, a
+    session-capacity error) is still a proper HTTP error, not an empty stream."""
+    channel = completion.channels[0]
+    try:
+        event = await channel.receive()
+    except trio.EndOfChannel:
+        return
+    completion.early_events.setdefault(0, []).append(event)
+    if isinstance(event, ErrorEvent):
+        raise event.error
+
+
+async def _events(completion: Completion, index: int) -> AsyncIterator[Any]:
+    for event in completion.early_events.pop(index, []):
+        yield event
+    async for event in completion.channels[index]:
+        yield event
+
+
 async def _run_choice(completion: Completion, index: int, on_delta: Any = None) -> ChoiceResult:
     """Consume one job's events into a ChoiceResult; `on_delta(delta)` sees every non-empty delta."""
     job, channel = completion.jobs[index], completion.channels[index]
     result = ChoiceResult(index, _new_output(completion), controller=completion.grammars[index])
     try:
         async with channel:
-            async for event in channel:
+            async for event in _events(completion, index):
                 if isinstance(event, TokenEvent):
                     if result.output.stopped:
                         continue  # tokens decoded after the stop string, before the scheduler saw the cancel

@@ -19,9 +19,10 @@ class Prompt:
     think: bool  # output may carry a <think> block to split into reasoning_content
     opens_think: bool  # the prompt itself ends inside an open <think> block
     thinking: bool = False  # thinking is on for this request (think-style template, not prefilled closed)
-    # Recurrent models: where the conversation history ends and this turn's generation prompt begins. The
-    # next turn's prompt re-renders this turn's reply (without its reasoning, in think templates), so it
-    # continues the history exactly up to here: a state checkpoint here lets it resume.
+    # Where the conversation history ends and this turn's generation prompt begins. The next turn's prompt
+    # re-renders this turn's reply (without its reasoning, in think templates), so it repeats the prompt
+    # exactly up to here: the session table recognises a continuation by it, and a recurrent model keeps a
+    # state checkpoint here.
     history_end: int | None = None
 
     @property
@@ -85,7 +86,7 @@ def build_prompt(served: LoadedModel, request: ChatRequest, *, no_think_default:
         tokens.insert(0, tokenizer.bos_id)
         offset = 1
     history_end = None
-    if not getattr(served.model, "supports_prefix_rewind", True):
+    if len(messages) > 0:
         history = template.render(messages, add_generation_prompt=False, extra=extra)
         history_tokens = tokenizer.encode(history, parse_special=True)
         n = offset + len(history_tokens)

@@ -18,8 +18,9 @@ from typing import Any
 
 from pantheon.errors import ApiError
 
-# A prompt "continues" a conversation when it shares at least this fraction of the conversation's tokens:
-# the re-rendered assistant reply may tokenize a little differently from what was generated.
+# A prompt continues a conversation when it repeats the conversation's history up to where its last turn's
+# generation prompt began (the slot's anchor); the reply after it may re-render differently. Restored slots
+# have no known anchor: half of their tokens stands in for it.
 CONTINUATION_FRACTION = 0.5
 
 
@@ -33,6 +34,9 @@ class SlotInfo:
     # Recurrent models only: snapshots of the slot's state at earlier positions (objects with .n_tokens),
     # since their state cannot be rewound to a shorter prefix.
     checkpoints: list[Any] = field(default_factory=list)
+    # How much of the slot a prompt must repeat to continue its conversation: where the last turn's history
+    # ended (its prompt before the generation prompt).
+    anchor: int = 0
 
     def clear(self) -> None:
         self.tokens.clear()
@@ -117,8 +121,16 @@ class SessionTable:
                            f"all {self.max_sessions} session slots hold live sessions; retry later or release "
                            f"one with POST /session/release{estimate}", headers={"Retry-After": "30"})
 
-    def assign(self, session_id: str | None, prompt: list[int]) -> Assignment | None:
-        """Pick the slot a turn runs in, or None when every usable slot is busy (the job keeps waiting)."""
+    def assign(self, session_id: str | None, prompt: list[int], anchor: int | None = None) -> Assignment | None:
+        """Pick the slot a turn runs in, or None when every usable slot is busy (the job keeps waiting).
+
+        `anchor`: where this prompt's history ends; it becomes the slot's anchor for the next turn."""
+        assignment = self._assign(session_id, prompt)
+        if assignment is not None:
+            assignment.slot.anchor = anchor if anchor is not None else len(prompt)
+        return assignment
+
+    def _assign(self, session_id: str | None, prompt: list[int]) -> Assignment | None:
         now = self.clock()
         if session_id is None:
             slot = self._free_unowned_slot()
@@ -140,7 +152,7 @@ class SessionTable:
             n = common_prefix(slot.tokens, prompt)
             if n > best_len:
                 best, best_len = slot, n
-        if best is not None and best_len >= CONTINUATION_FRACTION * len(best.tokens) and best_len > 0:
+        if best is not None and best_len >= max(1, min(best.anchor, len(best.tokens))):
             if not best.busy:
                 # Keep at least one prompt token to compute: its logits give the first new token.
                 usable = min(best_len, len(prompt) - 1)
@@ -252,11 +264,12 @@ class SessionTable:
                 return None
             self._open_session(session_id, slot, now)
             self._take(slot, 0, now)
+            slot.anchor = int(CONTINUATION_FRACTION * len(tokens))
             return slot
         target = None
         for slot in session.slots:
             n = common_prefix(slot.tokens, tokens)
-            if slot.tokens and n >= CONTINUATION_FRACTION * len(slot.tokens) and not slot.busy:
+            if slot.tokens and n >= max(1, min(slot.anchor, len(slot.tokens))) and not slot.busy:
                 target = slot
                 break
         if target is None:
@@ -274,4 +287,6 @@ class SessionTable:
         target.clear()
         session.last_used = now
         self._take(target, 0, now)
+        # The structure of restored tokens is unknown: a prompt continues them when it repeats half of them.
+        target.anchor = int(CONTINUATION_FRACTION * len(tokens))
         return target

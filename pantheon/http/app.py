@@ -220,25 +220,37 @@ class App:
                 await send_json(send, 200, result)
 
     async def _stream(self, completion: chat_completion.Completion, receive: Receive, send: Send) -> None:
-        await start_sse(send)
         finished = False
+        refused: ApiError | None = None
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_watch_disconnect, receive, nursery.cancel_scope)
             try:
-                async with chat_completion.stream(completion) as chunks:
-                    async for chunk in chunks:
-                        await send({"type": "http.response.body", "body": sse_data(chunk), "more_body": True})
-            except Exception as exc:  # the status is already sent: report in-band, then end the stream
-                error = _single(exc)
-                api_error = error if isinstance(error, ApiError) else internal_error(error)
-                await send({"type": "http.response.body", "body": sse_data(api_error.body()), "more_body": True})
-            finished = True
+                await chat_completion.wait_until_started(completion)
+            except ApiError as exc:
+                refused = exc  # still before the status line: a proper HTTP error
+            else:
+                await start_sse(send)
+                await self._relay(completion, send)
+                finished = True
             nursery.cancel_scope.cancel()
+        if refused is not None:
+            raise refused
         if finished:
             # Shielded and outside the watcher's scope: hypercorn's end-of-response bookkeeping must run
             # to completion or a Connection: close socket stays open (see reference/libraries.md, 6).
             with trio.CancelScope(shield=True):
                 await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+    @staticmethod
+    async def _relay(completion: chat_completion.Completion, send: Send) -> None:
+        try:
+            async with chat_completion.stream(completion) as chunks:
+                async for chunk in chunks:
+                    await send({"type": "http.response.body", "body": sse_data(chunk), "more_body": True})
+        except Exception as exc:  # the status is already sent: report in-band, then end the stream
+            error = _single(exc)
+            api_error = error if isinstance(error, ApiError) else internal_error(error)
+            await send({"type": "http.response.body", "body": sse_data(api_error.body()), "more_body": True})
 
 
 def _single(exc: BaseException) -> BaseException:

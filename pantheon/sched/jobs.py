@@ -23,9 +23,10 @@ class GenerationJob:
     session_key: str | None = None
     # Optional token controller (grammar constraint, reasoning budget): see TokenController.
     constraint: Any = None
-    # Prompt positions where a recurrent model should keep a state checkpoint (where the conversation history
-    # ends and this turn's generation prompt begins); the end of the prompt always gets one.
-    checkpoints: tuple[int, ...] = ()
+    # Where the conversation history ends and this turn's generation prompt begins (None when unknown): the
+    # next turn of this conversation repeats the prompt up to here, which is how the session table recognises
+    # it, and where a recurrent model keeps a state checkpoint.
+    history_end: int | None = None
     job_id: int = field(default_factory=lambda: next(_job_ids))
     # Set by the consumer (stop string seen, client gone); the scheduler drops the job at its next step.
     cancelled: bool = False

@@ -35,10 +35,15 @@ def _file_name(session_id: str) -> str:
 
 
 def _session_id(path: Path) -> str | None:
+    """The id a file name encodes; None unless it is exactly what _file_name would write for a non-empty id."""
+    stem = path.name[: -len(SUFFIX)]
     try:
-        return base64.urlsafe_b64decode(path.name[: -len(SUFFIX)].encode("ascii")).decode()
+        session_id = base64.urlsafe_b64decode(stem.encode("ascii")).decode()
     except (ValueError, UnicodeDecodeError):
         return None
+    if not session_id or _file_name(session_id) != path.name:
+        return None
+    return session_id
 
 
 def _model_dir(root: Path, instance: ModelInstance) -> Path:

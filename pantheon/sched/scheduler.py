@@ -261,7 +261,7 @@ class Scheduler:
             waiting = self._waiting[0]
             job = waiting.job
             try:
-                assignment = self.sessions.assign(job.session_key, job.prompt)
+                assignment = self.sessions.assign(job.session_key, job.prompt, anchor=job.history_end)
             except ApiError as exc:  # the id's session capacity filled up while it waited
                 self._waiting.popleft()
                 self._send(waiting.events, ErrorEvent(exc))
@@ -289,7 +289,9 @@ class Scheduler:
             # model also stops a chunk where the job wants a checkpoint (the end of the conversation history).
             end = min(len(active.job.prompt), (start // self.prefill_chunk + 1) * self.prefill_chunk)
             if not self.rewindable:
-                end = min([end, *(p for p in active.job.checkpoints if start < p < end)])
+                h = active.job.history_end
+                if h is not None and start < h < end:
+                    end = h
             last = end == len(active.job.prompt)
             chunk = np.asarray(active.job.prompt[start:end], dtype=np.int32)
             return [BatchRow(active.slot.index, chunk, start, "last" if last else "none")], [active], True
@@ -309,7 +311,7 @@ class Scheduler:
         if not self.rewindable:
             for row, active in zip(rows, owners):
                 end = row.start_pos + len(row.tokens)
-                if active.prefilling and (end in active.job.checkpoints or end == len(active.job.prompt)):
+                if active.prefilling and end in (active.job.history_end, len(active.job.prompt)):
                     active.checkpoint = model.snapshot_slot(self.state, row.slot)
         samples: list[SampledToken | None] = []
         li = 0

@@ -1,0 +1,208 @@
+"""Aggregate decode throughput and time to first token at 1, 2, 4 and 8 concurrent streams, over HTTP against
+a real `pantheon serve` on the default model; plus single-stream HTTP decode vs in-process decode.
+
+    .venv/bin/python bench/concurrency.py [--levels 1,2,4,8] [--tokens 128] [--runs 2] [--threads 0]
+
+Each stream is a streamed greedy chat completion (end tokens forbidden with logit_bias, so every stream
+decodes exactly --tokens tokens; too short for the repetition detector). Per level:
+
+  aggregate decode tok/s  tokens received while *all* streams were decoding (from the last stream's first
+                          token to the first stream's end) / that window: the batched decode rate, free of
+                          prefill and of ramp-up / tail effects
+  overall tok/s           all completion tokens / wall time from the requests to the last end (includes
+                          prefill and queueing)
+  TTFT                    median and max over the streams, from sending the request to its first content
+
+The in-process figure decodes greedily with batch 1 straight on the model (as bench/decode.py does), same
+thread count, same prompt, with no server running. Prints a table and writes
+bench/results/<date>-concurrency.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import orjson
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import default_model, write_result  # noqa: E402
+from tests.server_process import ServerProcess  # noqa: E402
+
+PROMPTS = [
+    "Write a long story about a dragon and a knight.",
+    "Explain how a steam engine works, step by step.",
+    "Describe a walk through a busy market in the morning.",
+    "Write a letter to a friend about your summer holiday.",
+    "Tell me about the history of the printing press.",
+    "Describe the life cycle of a butterfly in detail.",
+    "Write a short essay about the importance of sleep.",
+    "Explain why the seasons change during the year.",
+]
+END_TOKENS = ("<|im_end|>", "<|endoftext|>")
+
+
+def end_token_ids(path: Path) -> list[int]:
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    f = reader.fields["tokenizer.ggml.tokens"]
+    ids = []
+    for token_id, i in enumerate(f.data):
+        if bytes(f.parts[i]).decode("utf-8", "replace") in END_TOKENS:
+            ids.append(token_id)
+    return ids
+
+
+def one_stream(url: str, body: dict[str, Any], out: dict[str, Any], go: threading.Event) -> None:
+    go.wait()
+    out["sent"] = time.monotonic()
+    times: list[float] = []
+    with httpx.stream("POST", url, json=body, timeout=600) as r:
+        if r.status_code != 200:
+            out["error"] = f"{r.status_code} {r.read()[:200]!r}"
+            return
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = orjson.loads(line[6:])
+            if event.get("usage"):
+                out["completion_tokens"] = event["usage"]["completion_tokens"]
+            for choice in event["choices"]:
+                if choice["delta"].get("content"):
+                    times.append(time.monotonic())
+    out["times"] = times
+    out["end"] = time.monotonic()
+
+
+def run_level(server: ServerProcess, n: int, tokens: int, bias: dict[str, float]) -> dict[str, Any]:
+    url = server.base_url + "/v1/chat/completions"
+    outs: list[dict[str, Any]] = [{} for _ in range(n)]
+    go = threading.Event()
+    threads = []
+    for i in range(n):
+        body = {"messages": [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}], "temperature": 0,
+                "max_tokens": tokens, "logit_bias": bias, "stream": True, "stream_options": {"include_usage": True}}
+        t = threading.Thread(target=one_stream, args=(url, body, outs[i], go), daemon=True)
+        t.start()
+        threads.append(t)
+    go.set()
+    for t in threads:
+        t.join()
+    errors = [o["error"] for o in outs if "error" in o]
+    if errors:
+        raise SystemExit(f"{n} streams: {errors}")
+    firsts = [o["times"][0] for o in outs]
+    ends = [o["times"][-1] for o in outs]
+    start = min(o["sent"] for o in outs)
+    lo, hi = max(firsts), min(ends)
+    in_window = sum(1 for o in outs for t in o["times"] if lo < t <= hi)
+    total = sum(o.get("completion_tokens", len(o["times"])) for o in outs)
+    chunks = sum(len(o["times"]) for o in outs)
+    window_ok = hi - lo > 0.5 and in_window >= 4 * n
+    return {
+        "streams": n,
+        "aggregate_decode_tok_s": in_window / (hi - lo) if window_ok else chunks / (max(ends) - min(firsts)),
+        "window_s": hi - lo,
+        "overall_tok_s": total / (max(ends) - start),
+        "ttft_median_s": statistics.median(f - o["sent"] for f, o in zip(firsts, outs)),
+        "ttft_max_s": max(f - o["sent"] for f, o in zip(firsts, outs)),
+        "completion_tokens": total,
+        "content_chunks": chunks,
+        "wall_s": max(ends) - start,
+    }
+
+
+def in_process_decode(path: Path, threads: int, prompt: str, n_decode: int, runs: int) -> dict[str, float]:
+    from pantheon.config import ModelOptions, read_env
+    from pantheon.engine.loader import load_served_model
+    from pantheon.kernels.cpu.backend import CpuBackend
+    from pantheon.models.base import BatchRow
+
+    served = load_served_model(ModelOptions(path=path, name="bench"), read_env(), CpuBackend(threads))
+    model = served.model
+    text = served.template.render([{"role": "user", "content": prompt}], add_generation_prompt=True, extra={})
+    tokens = np.array(served.tokenizer.encode(text, parse_special=True), np.int32)
+    end_ids = set(served.tokenizer.stop_ids)
+    state = model.new_state(1, len(tokens) + n_decode + 8)
+    rates, prefill = [], []
+    for _ in range(runs):
+        t = time.perf_counter()
+        logits = model.forward(state, [BatchRow(0, tokens, 0)])
+        prefill.append(len(tokens) / (time.perf_counter() - t))
+        row = logits[0].copy()
+        row[list(end_ids)] = -np.inf
+        tok, pos = int(np.argmax(row)), len(tokens)
+        t = time.perf_counter()
+        for _ in range(n_decode):
+            logits = model.forward(state, [BatchRow(0, np.array([tok], np.int32), pos)])
+            row = logits[0].copy()
+            row[list(end_ids)] = -np.inf
+            tok, pos = int(np.argmax(row)), pos + 1
+        rates.append(n_decode / (time.perf_counter() - t))
+    return {"decode_tok_s": statistics.median(rates), "prefill_tok_s": statistics.median(prefill),
+            "prompt_tokens": len(tokens)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--levels", default="1,2,4,8")
+    ap.add_argument("--tokens", type=int, default=128, help="tokens each stream decodes")
+    ap.add_argument("--runs", type=int, default=2, help="runs per level (median)")
+    ap.add_argument("--threads", type=int, default=0, help="server and in-process threads (0 = all cores)")
+    args = ap.parse_args()
+    levels = [int(x) for x in args.levels.split(",")]
+    threads = args.threads or len(os.sched_getaffinity(0))
+    path = default_model()
+    load_before = os.getloadavg()
+
+    inproc = in_process_decode(path, threads, PROMPTS[0], args.tokens, max(2, args.runs))
+
+    bias = {str(t): -100 for t in end_token_ids(path)}
+    log = Path(tempfile.mkdtemp(prefix="bench-concurrency-")) / "serve.log"
+    server = ServerProcess(["--model", f"{path}:bench", "--max-concurrent", str(max(levels)),
+                            "--threads", str(threads), "--ctx-cap", "2048"], log_path=log).start()
+    try:
+        run_level(server, 1, 16, bias)  # warm-up: first-request costs stay out of the table
+        rows = []
+        for n in levels:
+            runs = [run_level(server, n, args.tokens, bias) for _ in range(args.runs)]
+            row = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+            row["streams"] = n
+            row["runs"] = runs
+            rows.append(row)
+    finally:
+        server.stop()
+    load_after = os.getloadavg()
+
+    base = rows[0]["aggregate_decode_tok_s"] if rows and rows[0]["streams"] == 1 else float("nan")
+    print(f"SmolLM2-135M-Instruct Q4_1, {threads} threads, {args.tokens} tokens per stream, median of {args.runs}; "
+          f"load average {load_before[0]:.1f} before, {load_after[0]:.1f} after")
+    print(f"{'streams':>7}{'agg decode tok/s':>18}{'x 1 stream':>12}{'per stream':>12}{'overall tok/s':>15}"
+          f"{'TTFT med s':>12}{'TTFT max s':>12}")
+    for row in rows:
+        n, agg = row["streams"], row["aggregate_decode_tok_s"]
+        print(f"{n:>7}{agg:>18.1f}{agg / base:>12.2f}{agg / n:>12.1f}{row['overall_tok_s']:>15.1f}"
+              f"{row['ttft_median_s']:>12.2f}{row['ttft_max_s']:>12.2f}")
+    http_one = rows[0]["aggregate_decode_tok_s"] if rows[0]["streams"] == 1 else float("nan")
+    ratio = http_one / inproc["decode_tok_s"]
+    print(f"single stream decode: HTTP {http_one:.1f} tok/s, in-process {inproc['decode_tok_s']:.1f} tok/s, "
+          f"ratio {ratio:.2f}")
+    out = write_result("concurrency", {"args": vars(args), "threads": threads, "load_avg_before": load_before,
+                                       "load_avg_after": load_after, "levels": rows, "in_process": inproc,
+                                       "http_vs_in_process": ratio})
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

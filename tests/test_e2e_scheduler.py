@@ -1,0 +1,457 @@
+"""End to end: the batch scheduler's contract over HTTP (spec: chat completion errors 429/503, "Concurrency and
+connection model") — batch-invariant greedy output, the FIFO queue and its limits, the legacy single-user
+path, the memory-pressure ladder, the drain on SIGTERM and health latency under load.
+
+The 30 s queue timeout has no knob on the public surface (QUEUE_TIMEOUT_S is a constant), so it is tested
+twice: over HTTP with the real 30 s, and at the unit level with the constant shrunk around a fake model.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import statistics
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import httpx
+import numpy as np
+import orjson
+import pytest
+import trio
+
+from tests.e2e_util import (
+    Streamer,
+    wait_queue_depth,
+    assert_error,
+    chat,
+    chat_url,
+    content_of,
+    endless,
+    health_latency,
+    models_entry,
+    post,
+    retry_after_seconds,
+    special_ids,
+    start_server,
+    streams,
+)
+from tests.server_process import ServerProcess
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Name three colours of the rainbow.",
+    "Write one sentence about cats.",
+    "What is 2 + 2?",
+    "Give me a tip for learning Python.",
+    "Describe the sea in a few words.",
+    "Why is the sky blue?",
+    "Say hello in Spanish.",
+]
+
+
+def greedy(prompt: str, max_tokens: int = 40) -> dict[str, Any]:
+    return {"messages": [{"role": "user", "content": prompt}], "temperature": 0, "max_tokens": max_tokens}
+
+
+# -- fixtures ----------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def end_ids(default_model_path: Path) -> dict[str, int]:
+    return special_ids(default_model_path)
+
+
+@pytest.fixture(scope="module")
+def eight_server(default_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    server = start_server(default_model_path, tmp_path_factory.mktemp("eight"), "--max-concurrent", "8",
+                          "--ctx-cap", "2048")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def two_slot_server(default_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """--max-concurrent 2 and a queue of depth 1."""
+    server = start_server(default_model_path, tmp_path_factory.mktemp("two"), "--max-concurrent", "2",
+                          env={"BS_QUEUE_DEPTH": "1"})
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def one_slot_server(default_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """--max-concurrent 1 and a queue of depth 1."""
+    server = start_server(default_model_path, tmp_path_factory.mktemp("one"), "--max-concurrent", "1",
+                          env={"BS_QUEUE_DEPTH": "1"})
+    yield server
+    server.stop()
+
+
+# -- batch invariance ----------------------------------------------------------------------------------------
+
+def test_eight_concurrent_greedy_streams_equal_each_alone(eight_server: ServerProcess,
+                                                         end_ids: dict[str, int]) -> None:
+    assert models_entry(eight_server)["max_concurrent"] == 8
+    # End tokens forbidden (still greedy): every answer runs its full 32 tokens, so the eight overlap.
+    bodies = [{**greedy(p, 32), "logit_bias": {str(t): -100 for t in end_ids.values()}} for p in PROMPTS]
+    alone = [content_of(chat(eight_server, b)) for b in bodies]
+    assert len(set(alone)) == len(PROMPTS), alone  # different prompts, different answers
+    with streams(*[Streamer(eight_server, b) for b in bodies]) as ss:
+        for s in ss:
+            s.start()
+        results = [s.wait() for s in ss]
+    for prompt, want, got in zip(PROMPTS, alone, results):
+        assert got.status == 200 and got.done and got.exception is None, got
+        assert got.content == want, (prompt, want, got.content)
+    # They really ran together: every stream had its first token before any stream ended.
+    assert max(r.first_token_at for r in results) < min(r.ended_at for r in results), \
+        [(r.first_token_at, r.ended_at) for r in results]
+
+
+# -- queue: wait, refuse with 429, time out -----------------------------------------------------------------
+
+def test_third_request_queues_and_fourth_gets_429(two_slot_server: ServerProcess, end_ids: dict[str, int]) -> None:
+    server = two_slot_server
+    assert models_entry(server)["max_concurrent"] == 2
+    a = Streamer(server, endless(end_ids, 40, seed=1)).start()
+    b = Streamer(server, endless(end_ids, 40, seed=2)).start()
+    with streams(a, b):
+        a.wait_token()
+        b.wait_token()
+        # Both slots decode: the third request is accepted into the queue (it waits; no status line yet).
+        c = Streamer(server, greedy(PROMPTS[0], 8)).start()
+        with streams(c):
+            wait_queue_depth(server, 1)
+            # The queue (depth 1) is full: a fourth request is refused at once, streaming or not.
+            started = time.monotonic()
+            r = post(server, greedy(PROMPTS[1], 4), timeout=30)
+            assert time.monotonic() - started < 10
+            assert_error(r, 429, "server_busy")
+            assert retry_after_seconds(r) >= 1
+            with httpx.stream("POST", chat_url(server), json={**greedy(PROMPTS[1], 4), "stream": True},
+                              timeout=30) as rs:
+                rs.read()
+                assert_error(rs, 429, "server_busy")
+                assert retry_after_seconds(rs) >= 1
+            ra, rb, rc = a.wait(), b.wait(), c.wait()
+    assert ra.finish_reason == rb.finish_reason == "length", (ra, rb)
+    assert rc.done and rc.finish_reason in ("stop", "length") and rc.content, rc
+    # The third one waited: its first token came only after one of the first two had finished.
+    assert rc.first_token_at >= min(ra.ended_at, rb.ended_at) - 0.05, (rc.first_token_at, ra.ended_at, rb.ended_at)
+
+
+def test_queue_wait_times_out_after_30_s_with_429(default_model_path: Path, tmp_path: Path,
+                                                 end_ids: dict[str, int]) -> None:
+    """The real 30 s timeout over HTTP (no knob shrinks it), a streamed and a plain request waiting together."""
+    server = start_server(default_model_path, tmp_path, "--max-concurrent", "1", env={"BS_QUEUE_DEPTH": "2"})
+    try:
+        holder = Streamer(server, endless(end_ids, 8000)).start()
+        with streams(holder):
+            holder.wait_token()
+            started = time.monotonic()
+            plain: dict[str, Any] = {}
+            waiter = threading.Thread(target=lambda: plain.update(
+                r=post(server, greedy(PROMPTS[0], 4), timeout=120), at=time.monotonic()))
+            waiter.start()
+            queued = Streamer(server, greedy(PROMPTS[1], 4), timeout=120).start()
+            res = queued.wait(120)
+            waiter.join(120)
+            assert not holder.finished.is_set(), holder.result  # the slot stayed taken all along
+        r = plain["r"]
+        assert 28 <= plain["at"] - started <= 60, plain["at"] - started
+        assert_error(r, 429, "server_busy")
+        assert retry_after_seconds(r) >= 1
+        # Streaming: a request that never got a slot must not look like a successful empty completion.
+        assert 28 <= res.ended_at - started <= 60, (res.ended_at - started, res)
+        assert res.status == 429, ("a queue timeout on a streamed request came back as "
+                                   f"{res.status}, content {res.content!r}, finish {res.finish_reason!r}, "
+                                   f"errors {res.errors}")
+        assert orjson.loads(res.body)["error"]["type"] == "server_busy"
+        assert res.headers.get("retry-after", "").isdigit()
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["queued-stream", "queued-plain"])
+def test_queued_client_that_disconnects_leaves_the_queue_at_once(one_slot_server: ServerProcess,
+                                                                 end_ids: dict[str, int], stream: bool) -> None:
+    server = one_slot_server
+    holder = Streamer(server, endless(end_ids, 8000)).start()
+    with streams(holder):
+        holder.wait_token()
+        # B queues (depth 1): a long request that would hold the slot ~minutes if it were ever admitted.
+        sock = None
+        if stream:
+            b = Streamer(server, endless(end_ids, 4000, seed=3)).start()
+            wait_queue_depth(server, 1)
+        else:
+            payload = orjson.dumps(endless(end_ids, 4000, seed=3))
+            sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+            wait_queue_depth(server, 1)
+        # Control: the queue is full now.
+        assert_error(post(server, greedy(PROMPTS[1], 4), timeout=30), 429, "server_busy")
+        # B hangs up: its queue place frees at once (within a decode step or two; the queue timeout would
+        # take 30 s), so C is queued instead of refused.
+        hung_up = time.monotonic()
+        if stream:
+            b.close()
+        else:
+            assert sock is not None
+            sock.close()
+        wait_queue_depth(server, 0, timeout=10)
+        c = Streamer(server, greedy(PROMPTS[0], 8)).start()
+        with streams(c):
+            wait_queue_depth(server, 1)  # queued, not refused
+            print(f"\nqueue place freed {time.monotonic() - hung_up:.2f} s after the hang-up")
+            # The holder leaves: C gets the slot right away, it does not wait for B's 4000 tokens.
+            released = time.monotonic()
+            holder.close()
+            rc = c.wait(120)
+            assert rc.done and rc.content, rc
+            assert rc.first_token_at - released < 20, rc.first_token_at - released
+
+
+# -- legacy path ---------------------------------------------------------------------------------------------
+
+def test_legacy_path_serves_one_at_a_time(default_model_path: Path, tmp_path: Path,
+                                          end_ids: dict[str, int]) -> None:
+    server = start_server(default_model_path, tmp_path, "--max-concurrent", "4",
+                          env={"QWEN35_BATCH_SLOTS": "0"})
+    try:
+        assert models_entry(server)["max_concurrent"] == 1
+        holder = Streamer(server, endless(end_ids, 8000)).start()
+        with streams(holder):
+            holder.wait_token()
+            for stream in (False, True):
+                started = time.monotonic()
+                with httpx.stream("POST", chat_url(server), json={**greedy(PROMPTS[0], 4), "stream": stream},
+                                  timeout=30) as r:
+                    r.read()
+                assert time.monotonic() - started < 5, "the legacy path must refuse at once, not queue"
+                assert_error(r, 429, "server_busy")
+        # The client is gone: once the server has noticed (at its next decode step), the model serves again.
+        deadline = time.monotonic() + 10
+        while (r := post(server, greedy(PROMPTS[0], 4), timeout=60)).status_code == 429 \
+                and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert r.status_code == 200, r.text
+    finally:
+        server.stop()
+
+
+# -- memory-pressure ladder ----------------------------------------------------------------------------------
+
+TOTAL_KB = 16_000_000
+
+
+def write_meminfo(path: Path, available_pct: float) -> None:
+    avail = int(TOTAL_KB * available_pct / 100)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(f"MemTotal:       {TOTAL_KB} kB\nMemFree:        {avail} kB\nMemAvailable:   {avail} kB\n")
+    tmp.replace(path)
+
+
+def wait_for_entry(server: ServerProcess, key: str, value: int, timeout: float = 10.0) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        entry = models_entry(server)
+        if entry.get(key) == value or time.monotonic() > deadline:
+            assert entry.get(key) == value, (key, value, entry)
+            return entry
+        time.sleep(0.1)
+
+
+def test_memory_ladder_clamps_and_recovers(default_model_path: Path, tmp_path: Path,
+                                           end_ids: dict[str, int]) -> None:
+    meminfo = tmp_path / "meminfo"
+    write_meminfo(meminfo, 50)
+    server = start_server(default_model_path, tmp_path, "--max-concurrent", "4", "--ctx-cap", "1024",
+                          env={"PN_MEMINFO_PATH": str(meminfo), "PN_MEM_POLL_MS": "100", "BS_QUEUE_DEPTH": "1"})
+    # ~600 prompt tokens: fits the configured 1024-token window, not a halved one.
+    long_prompt = {"messages": [{"role": "user", "content": "word " * 600}], "temperature": 0, "max_tokens": 1}
+    small = greedy(PROMPTS[0], 2)
+    try:
+        entry = models_entry(server)
+        assert (entry["max_concurrent"], entry["context_window"]) == (4, 1024)
+        assert chat(server, small)["usage"]["kv_cap"] == 1024
+
+        write_meminfo(meminfo, 10)  # elevated: decode slots halved
+        entry = wait_for_entry(server, "max_concurrent", 2)
+        assert entry["context_window"] == 1024
+        assert chat(server, small)["usage"]["kv_cap"] == 1024
+
+        write_meminfo(meminfo, 6)  # high: the window halved too
+        entry = wait_for_entry(server, "context_window", 512)
+        assert entry["max_concurrent"] <= 2
+        assert chat(server, small)["usage"]["kv_cap"] == 512
+        error = assert_error(post(server, long_prompt), 422, "context_over_budget")
+        assert "512" in error["message"], error
+
+        # Critical (spec: 503 server_memory_constrained when "the queue is full under critical pressure").
+        write_meminfo(meminfo, 2)
+        time.sleep(1.0)
+        entry = models_entry(server)
+        assert entry["context_window"] == 512 and entry["max_concurrent"] >= 1
+        holders = [Streamer(server, endless(end_ids, 8000, seed=i)).start() for i in range(entry["max_concurrent"])]
+        with streams(*holders):
+            for h in holders:
+                h.wait_token()
+            queued = Streamer(server, greedy(PROMPTS[1], 2)).start()  # the queue (depth 1) takes one
+            with streams(queued):
+                wait_queue_depth(server, 1)
+                r = post(server, small, timeout=30)
+                assert all(not h.finished.is_set() for h in holders)  # the slots were all taken throughout
+                assert_error(r, 503, "server_memory_constrained")
+
+        write_meminfo(meminfo, 50)  # recovery restores the configured numbers
+        entry = wait_for_entry(server, "max_concurrent", 4)
+        assert entry["context_window"] == 1024
+        body = chat(server, long_prompt)
+        assert body["usage"]["kv_cap"] == 1024 and body["usage"]["prompt_tokens"] > 512
+    finally:
+        server.stop()
+
+
+# -- drain ---------------------------------------------------------------------------------------------------
+
+def test_sigterm_drains_in_flight_streams_and_exits_0(default_model_path: Path, tmp_path: Path,
+                                                      end_ids: dict[str, int]) -> None:
+    server = start_server(default_model_path, tmp_path, "--max-concurrent", "2", "--drain-timeout", "300")
+    try:
+        body = {**endless(end_ids, 40), "stream_options": {"include_usage": True}}
+        a = Streamer(server, body).start()
+        b = Streamer(server, {**body, "seed": 7}).start()
+        with streams(a, b):
+            a.wait_token()
+            b.wait_token()
+            server.signal(signal.SIGTERM)
+            time.sleep(0.3)
+            for stream in (False, True):
+                with httpx.stream("POST", chat_url(server), json={**greedy(PROMPTS[0], 4), "stream": stream},
+                                  timeout=30) as r:
+                    r.read()
+                assert_error(r, 503, "server_shutting_down")
+                assert r.headers.get("retry-after") == "1", dict(r.headers)
+            ra, rb = a.wait(300), b.wait(300)
+        for res in (ra, rb):
+            assert res.exception is None and res.done, res
+            assert res.finish_reason == "length", res
+            assert res.usage and res.usage["completion_tokens"] == 40, res.usage
+        assert server.wait(60) == 0, server.log_tail()
+    finally:
+        server.stop()
+
+
+def test_second_signal_exits_at_once(default_model_path: Path, tmp_path: Path, end_ids: dict[str, int]) -> None:
+    server = start_server(default_model_path, tmp_path)
+    try:
+        holder = Streamer(server, endless(end_ids, 8000)).start()
+        with streams(holder):
+            holder.wait_token()
+            server.signal(signal.SIGTERM)
+            time.sleep(0.5)
+            assert server.proc is not None and server.proc.poll() is None  # draining: still up
+            sent = time.monotonic()
+            server.signal(signal.SIGTERM)
+            server.wait(10)
+            assert time.monotonic() - sent < 5
+    finally:
+        server.stop()
+
+
+# -- health under load ---------------------------------------------------------------------------------------
+
+def test_health_answers_fast_while_eight_streams_decode(eight_server: ServerProcess,
+                                                        end_ids: dict[str, int]) -> None:
+    idle = [health_latency(eight_server) for _ in range(10)]
+    ss = [Streamer(eight_server, endless(end_ids, 600, seed=i)).start() for i in range(8)]
+    latencies = []
+    with streams(*ss):
+        for s in ss:
+            s.wait_token()
+        counts = [s.result.n_content_chunks for s in ss]
+        for _ in range(20):
+            latencies.append(health_latency(eight_server))
+            time.sleep(0.05)
+        # All eight were decoding while we probed.
+        assert all(s.result.ended_at is None for s in ss), [s.result for s in ss if s.result.ended_at]
+        progress = [s.result.n_content_chunks - c for s, c in zip(ss, counts)]
+        assert sum(progress) > 0, progress
+    med = statistics.median(latencies)
+    print(f"\nGET / latency: idle median {statistics.median(idle) * 1000:.1f} ms; while 8 streams decode: median "
+          f"{med * 1000:.1f} ms, p90 {sorted(latencies)[17] * 1000:.1f} ms, max {max(latencies) * 1000:.1f} ms "
+          f"(load average {os.getloadavg()[0]:.1f}); tokens streamed meanwhile per stream: {progress}")
+    assert med < 0.100, [round(x * 1000, 1) for x in latencies]
+
+
+# -- unit level: the queue timeout with a fake model ---------------------------------------------------------
+
+class FakeModel:
+    """Just enough model for the scheduler: a state, a forward that takes a little time, logits."""
+
+    vocab_size = 1000
+
+    def __init__(self) -> None:
+        self.rng = np.random.default_rng(0)
+
+    def new_state(self, n_slots: int, ctx_cap: int) -> object:
+        return object()
+
+    def forward(self, state: object, rows: list[Any]) -> np.ndarray:
+        time.sleep(0.005)
+        n = sum(1 for r in rows if r.logits != "none")
+        logits = np.zeros((n, self.vocab_size), np.float32)
+        logits[np.arange(n), self.rng.integers(0, self.vocab_size, n)] = 10.0  # random tokens: never loops
+        return logits
+
+
+async def test_queue_timeout_unit(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pantheon.engine.sampling import SamplingParams
+    from pantheon.sched import scheduler as scheduler_mod
+    from pantheon.sched.jobs import ErrorEvent, GenerationJob, TokenEvent
+
+    monkeypatch.setattr(scheduler_mod, "QUEUE_TIMEOUT_S", 0.5)
+    served = SimpleNamespace(name="fake", model=FakeModel(), ctx_cap=1 << 20)
+    sched = scheduler_mod.Scheduler(served, max_sessions=1, max_concurrent=1, queue_depth=4)
+
+    def job(max_tokens: int) -> GenerationJob:
+        return GenerationJob(prompt=[1, 2, 3], sampling=SamplingParams(temperature=0), max_tokens=max_tokens,
+                             stop_ids=frozenset())
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sched.run)
+        holder = job(10**7)
+        holder_events = sched.submit(holder)
+        with trio.fail_after(10):
+            assert isinstance(await holder_events.receive(), TokenEvent)
+        queued = job(4)
+        started = time.monotonic()
+        events = sched.submit(queued)
+        with trio.fail_after(10):
+            event = await events.receive()
+        waited = time.monotonic() - started
+        assert isinstance(event, ErrorEvent), event
+        assert (event.error.status, event.error.error_type) == (429, "server_busy")
+        assert int(event.error.headers["Retry-After"]) >= 1
+        assert 0.5 <= waited < 3.0, waited
+        with trio.fail_after(5):  # and the channel ends there
+            with pytest.raises(trio.EndOfChannel):
+                await events.receive()
+        assert sched.n_waiting == 0 and sched.n_active == 1
+        # A waiter whose slot frees in time is admitted, not timed out.
+        late = job(4)
+        late_events = sched.submit(late)
+        await trio.sleep(0.2)
+        holder.cancel()
+        with trio.fail_after(10):
+            assert isinstance(await late_events.receive(), TokenEvent)
+        nursery.cancel_scope.cancel()

@@ -1,0 +1,621 @@
+"""End to end: sessions over HTTP (spec: the `session_id` request field and "Session routes") — prefix reuse
+across turns, key precedence, several conversations under one id, capacity, TTL, watch, export / restore /
+release, estimate, and sessions that survive a restart (`--session-dir`).
+
+Every cache claim is proved by `usage.prompt_tokens_details.cached_tokens`, and every resumed turn is
+compared with the same request served cold: greedy output must not depend on where the prefix came from.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import random
+import re
+import shutil
+import signal
+import socket
+import struct
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.e2e_util import (
+    MODEL,
+    Streamer,
+    assert_error,
+    cached_of,
+    chat,
+    content_of,
+    endless,
+    post,
+    special_ids,
+    start_server,
+    streams,
+)
+from tests.server_process import ServerProcess
+
+pytestmark = pytest.mark.slow
+
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+GERMANY = "And what is the capital of Germany?"
+
+
+def req(messages: list[dict[str, Any]], max_tokens: int = 24, **extra: Any) -> dict[str, Any]:
+    return {"messages": messages, "temperature": 0, "max_tokens": max_tokens, **extra}
+
+
+def follow_up(messages: list[dict[str, Any]], reply: str, question: str = GERMANY) -> list[dict[str, Any]]:
+    return [*messages, {"role": "assistant", "content": reply}, {"role": "user", "content": question}]
+
+
+def export(server: ServerProcess, session_id: str | None, **extra: Any) -> httpx.Response:
+    body = {**({"session_id": session_id} if session_id is not None else {}), **extra}
+    return httpx.post(server.base_url + "/admin/session/export", json=body, timeout=120)
+
+
+def restore(server: ServerProcess, body: Any, *, raw: bytes | None = None,
+            headers: dict[str, str] | None = None) -> httpx.Response:
+    if raw is not None:
+        return httpx.post(server.base_url + "/session/restore", content=raw, headers=headers, timeout=120)
+    return httpx.post(server.base_url + "/session/restore", json=body, headers=headers, timeout=120)
+
+
+def release(server: ServerProcess, body: Any, *, headers: dict[str, str] | None = None) -> httpx.Response:
+    return httpx.post(server.base_url + "/session/release", json=body, headers=headers, timeout=60)
+
+
+def exported(server: ServerProcess, session_id: str) -> dict[str, Any]:
+    r = export(server, session_id)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert set(body) >= {"session_id", "weights_version", "n_tok", "blob_bytes", "blob_b64", "tokens"}, set(body)
+    assert body["session_id"] == session_id
+    assert body["n_tok"] == len(body["tokens"]) > 0
+    assert body["blob_bytes"] == len(base64.b64decode(body["blob_b64"]))
+    return body
+
+
+# -- blob surgery (the format of pantheon/engine/snapshot.py, rebuilt here independently) -------------------
+
+_PREFIX = struct.Struct("<8sII")
+
+
+def reweigh(blob: bytes, weights_version: int) -> bytes:
+    """The same blob claiming other weights, with a correct checksum."""
+    body = blob[:-32]
+    magic, version, header_len = _PREFIX.unpack_from(body, 0)
+    header = json.loads(body[_PREFIX.size:_PREFIX.size + header_len])
+    header["weights_version"] = weights_version
+    header_bytes = json.dumps(header, separators=(",", ":")).encode()
+    new_body = _PREFIX.pack(magic, version, len(header_bytes)) + header_bytes + body[_PREFIX.size + header_len:]
+    return new_body + hashlib.blake2b(new_body, digest_size=32).digest()
+
+
+def b64(blob: bytes) -> str:
+    return base64.b64encode(blob).decode("ascii")
+
+
+# -- fixtures ----------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def end_ids(default_model_path: Path) -> dict[str, int]:
+    return special_ids(default_model_path)
+
+
+@pytest.fixture(scope="module")
+def server(default_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    s = start_server(default_model_path, tmp_path_factory.mktemp("sessions"), "--max-sessions", "8",
+                     "--ctx-cap", "2048")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def cold(server: ServerProcess) -> dict[str, Any]:
+    """The France conversation served cold, turn by turn (no session id): the reference every resumed turn
+    must equal."""
+    first = chat(server, req(FRANCE))
+    second_messages = follow_up(FRANCE, content_of(first))
+    second = chat(server, req(second_messages))
+    assert cached_of(first) == cached_of(second) == 0
+    return {"first": first, "second": second, "second_messages": second_messages}
+
+
+_ids = iter(range(10**6))
+
+
+def new_id(prefix: str = "s") -> str:
+    return f"{prefix}-{next(_ids)}-{random.getrandbits(32):08x}"
+
+
+# -- prefix reuse --------------------------------------------------------------------------------------------
+
+def test_second_turn_reuses_the_first_and_equals_cold(server: ServerProcess, cold: dict[str, Any]) -> None:
+    sid = new_id()
+    first = chat(server, req(FRANCE, session_id=sid))
+    assert cached_of(first) == 0
+    assert content_of(first) == content_of(cold["first"])
+    second = chat(server, req(cold["second_messages"], session_id=sid))
+    # Covers the whole first turn: its prompt and the reply it generated.
+    assert cached_of(second) >= first["usage"]["prompt_tokens"], (first["usage"], second["usage"])
+    assert cached_of(second) == first["usage"]["kv_used"], (first["usage"], second["usage"])
+    assert cached_of(second) < second["usage"]["prompt_tokens"]
+    assert content_of(second) == content_of(cold["second"])
+    assert "session_conflict" not in second["usage"]
+    assert release(server, {"session_id": sid}).status_code == 200
+
+
+KEYS = ["session_id", "prompt_cache_key", "promptCacheKey", "header"]
+
+
+def keyed(body: dict[str, Any], keys: dict[str, str]) -> tuple[dict[str, Any], dict[str, str]]:
+    body = dict(body)
+    headers = {}
+    for key, value in keys.items():
+        if key == "header":
+            headers["X-Session-Id"] = value
+        else:
+            body[key] = value
+    return body, headers
+
+
+@pytest.mark.parametrize("winner,loser", [(KEYS[i], KEYS[i + 1]) for i in range(3)], ids=lambda k: k)
+def test_session_key_precedence(server: ServerProcess, winner: str, loser: str) -> None:
+    """Order: session_id, prompt_cache_key, promptCacheKey, then X-Session-Id (each adjacent pair here; the
+    test below sends all four). The key that wins is the one whose session the turn resumes."""
+    probe = req(FRANCE, max_tokens=2)
+    seeded, fresh1, fresh2 = new_id("seed"), new_id("fresh"), new_id("fresh")
+    assert cached_of(chat(server, {**probe, "session_id": seeded})) == 0
+    # The winner names the seeded session, the loser a fresh one: the turn resumes (winner used).
+    body, headers = keyed(probe, {winner: seeded, loser: fresh1})
+    assert cached_of(chat(server, body, headers=headers)) > 0, f"{loser} won over {winner}"
+    # The loser names the seeded session, the winner a fresh one: the turn is cold (loser ignored).
+    body, headers = keyed(probe, {winner: fresh2, loser: seeded})
+    assert cached_of(chat(server, body, headers=headers)) == 0, f"{loser} won over {winner}"
+    for sid in (seeded, fresh1, fresh2):
+        assert release(server, {"session_id": sid}).status_code == 200
+
+
+def test_all_four_keys_session_id_wins(server: ServerProcess) -> None:
+    probe = req(FRANCE, max_tokens=2)
+    seeded, others = new_id("seed"), [new_id("fresh") for _ in range(3)]
+    chat(server, {**probe, "session_id": seeded})
+    body, headers = keyed(probe, dict(zip(KEYS, [seeded, *others])))
+    assert cached_of(chat(server, body, headers=headers)) > 0
+    for sid in (seeded, *others):
+        release(server, {"session_id": sid})
+
+
+# -- several conversations under one id ----------------------------------------------------------------------
+
+AGENT_SYSTEM = ("You are opencode, an interactive CLI coding agent. Answer briefly and precisely. "
+                "Use the tools you are given when you need to read or change files.")
+TITLE_SYSTEM = "You are a title generator. You output ONLY a thread title of at most six words."
+
+
+def _two_conversations(server: ServerProcess, main1: list[dict[str, Any]], title1: list[dict[str, Any]],
+                       concurrent: bool) -> None:
+    sid = new_id("oc")
+    results: dict[str, dict[str, Any]] = {}
+    if concurrent:  # opencode sends its title request in parallel with the first main turn
+        threads = [threading.Thread(target=lambda k=k, m=m: results.__setitem__(k, chat(
+            server, req(m, 16), headers={"X-Session-Id": sid}))) for k, m in (("main", main1), ("title", title1))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+    else:
+        results["main"] = chat(server, req(main1, 16), headers={"X-Session-Id": sid})
+        results["title"] = chat(server, req(title1, 16), headers={"X-Session-Id": sid})
+    assert set(results) == {"main", "title"}
+    main2 = follow_up(main1, content_of(results["main"]))
+    title2 = follow_up(title1, content_of(results["title"]), "Make it shorter.")
+    # Interleaved: main, title, main again.
+    m2 = chat(server, req(main2, 16), headers={"X-Session-Id": sid})
+    t2 = chat(server, req(title2, 16), headers={"X-Session-Id": sid})
+    main3 = follow_up(main2, content_of(m2), "And of Italy?")
+    m3 = chat(server, req(main3, 16), headers={"X-Session-Id": sid})
+    for name, turn, prev in (("main", m2, results["main"]), ("title", t2, results["title"]), ("main", m3, m2)):
+        assert cached_of(turn) >= prev["usage"]["prompt_tokens"], (name, prev["usage"], turn["usage"])
+        assert "session_conflict" not in turn["usage"], (name, turn["usage"])
+    for messages, turn in ((main2, m2), (title2, t2), (main3, m3)):
+        assert content_of(turn) == content_of(chat(server, req(messages, 16)))
+    assert release(server, {"session_id": sid}).status_code == 200
+
+
+def test_title_and_main_conversations_under_one_id_each_resume(server: ServerProcess) -> None:
+    main1 = [{"role": "system", "content": AGENT_SYSTEM}, *FRANCE]
+    title1 = [{"role": "system", "content": TITLE_SYSTEM},
+              {"role": "user", "content": "Generate a title for this conversation:"}, *FRANCE]
+    _two_conversations(server, main1, title1, concurrent=True)
+
+
+def test_two_conversations_sharing_the_default_system_prompt_each_resume(server: ServerProcess) -> None:
+    """No system message: the template's default system prompt is a prefix both conversations share. That
+    does not make the title prompt a continuation of the main conversation."""
+    title1 = [{"role": "user", "content": "Generate a title for this conversation:"}, *FRANCE]
+    _two_conversations(server, FRANCE, title1, concurrent=False)
+
+
+# -- capacity, release, TTL ----------------------------------------------------------------------------------
+
+def test_session_capacity_and_release(default_model_path: Path, tmp_path: Path) -> None:
+    s = start_server(default_model_path, tmp_path, "--max-sessions", "1")
+    try:
+        probe = req(FRANCE, max_tokens=2)
+        chat(s, {**probe, "session_id": "A"})
+        r = post(s, {**probe, "session_id": "B"})
+        error = assert_error(r, 429, "model_at_session_capacity")
+        assert r.headers.get("retry-after") == "30", dict(r.headers)
+        assert re.search(r"prefill", error["message"], re.I) and re.search(r"\d+(\.\d+)?\s*s\b", error["message"]), \
+            error["message"]
+        # Over capacity too: the header key and a restore into a new id.
+        assert_error(post(s, probe, headers={"X-Session-Id": "B"}), 429, "model_at_session_capacity")
+        blob = exported(s, "A")
+        assert_error(restore(s, {"session_id": "B", "blob": blob["blob_b64"], "tokens": blob["tokens"]}), 429,
+                     "model_at_session_capacity")
+        # The live id and stateless requests are still served.
+        assert cached_of(chat(s, {**probe, "session_id": "A"})) > 0
+        chat(s, probe)
+        # Release: unknown ids and repeats are fine (idempotent); the body shape is the spec's.
+        for sid in ("B", "never-seen", "A", "A"):
+            r = release(s, {"session_id": sid})
+            assert r.status_code == 200, r.text
+            assert r.json() == {"released": True, "session_id": sid}
+        assert chat(s, {**probe, "session_id": "B"})["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        # Release through the header, then a third id fits.
+        r = release(s, {}, headers={"X-Session-Id": "B"})
+        assert r.status_code == 200 and r.json()["session_id"] == "B", r.text
+        chat(s, {**probe, "session_id": "C"})
+        # The released A starts cold again.
+        release(s, {"session_id": "C"})
+        assert cached_of(chat(s, {**probe, "session_id": "A"})) == 0
+        # Errors.
+        assert_error(release(s, {}), 400, "invalid_request_error")
+        r = httpx.post(s.base_url + "/session/release", content=b"{not json", timeout=30)
+        assert_error(r, 400, "invalid_request_error")
+        assert_error(release(s, {"session_id": "A", "name": "no-such-model"}), 404, "model_not_found")
+    finally:
+        s.stop()
+
+
+def test_idle_sessions_are_reaped_after_the_ttl(default_model_path: Path, tmp_path: Path) -> None:
+    s = start_server(default_model_path, tmp_path, "--max-sessions", "1",
+                     env={"PN_SESSION_IDLE_TTL_MS": "1000"})
+    try:
+        probe = req(FRANCE, max_tokens=2)
+        assert cached_of(chat(s, {**probe, "session_id": "old"})) == 0
+        assert cached_of(chat(s, {**probe, "session_id": "old"})) > 0  # within the TTL: resumes
+        time.sleep(2.5)
+        # The old id expired: a new id is accepted under --max-sessions 1.
+        assert cached_of(chat(s, {**probe, "session_id": "new"})) == 0
+        time.sleep(2.5)
+        assert_error(export(s, "old"), 404, "session_not_found")
+        # The old id's next turn starts cold.
+        assert cached_of(chat(s, {**probe, "session_id": "old"})) == 0
+    finally:
+        s.stop()
+
+
+# -- export / restore ----------------------------------------------------------------------------------------
+
+def test_export_release_restore_continue_equals_uninterrupted(server: ServerProcess, cold: dict[str, Any]) -> None:
+    straight, moved = new_id("straight"), new_id("moved")
+    # Uninterrupted.
+    s1 = chat(server, req(FRANCE, session_id=straight))
+    s2 = chat(server, req(cold["second_messages"], session_id=straight))
+    # Interrupted: export, release, restore, continue.
+    m1 = chat(server, req(FRANCE, session_id=moved))
+    assert content_of(m1) == content_of(s1)
+    snap = exported(server, moved)
+    assert snap["n_tok"] == m1["usage"]["kv_used"]
+    r = release(server, {"session_id": moved})
+    assert r.status_code == 200
+    assert_error(export(server, moved), 404, "session_not_found")
+    r = restore(server, {"session_id": moved, "blob": snap["blob_b64"], "tokens": snap["tokens"]})
+    assert r.status_code == 200, r.text
+    assert r.json() == {"restored": True, "session_id": moved, "n_tok": snap["n_tok"]}
+    # The restored state is bit for bit the exported one.
+    again = exported(server, moved)
+    assert again["tokens"] == snap["tokens"] and again["blob_b64"] == snap["blob_b64"]
+    m2 = chat(server, req(cold["second_messages"], session_id=moved))
+    assert cached_of(m2) == snap["n_tok"], (m2["usage"], snap["n_tok"])
+    assert cached_of(m2) == cached_of(s2)
+    assert content_of(m2) == content_of(s2) == content_of(cold["second"])
+    for sid in (straight, moved):
+        release(server, {"session_id": sid})
+
+
+def test_restore_through_the_header_into_a_new_id(server: ServerProcess, cold: dict[str, Any]) -> None:
+    src, dst = new_id("src"), new_id("dst")
+    chat(server, req(FRANCE, session_id=src))
+    snap = exported(server, src)
+    r = restore(server, {"blob": snap["blob_b64"], "tokens": snap["tokens"]}, headers={"X-Session-Id": dst})
+    assert r.status_code == 200, r.text
+    assert r.json()["session_id"] == dst
+    turn = chat(server, req(cold["second_messages"], session_id=dst))
+    assert cached_of(turn) == snap["n_tok"]
+    assert content_of(turn) == content_of(cold["second"])
+    for sid in (src, dst):
+        release(server, {"session_id": sid})
+
+
+def _rejections(snap: dict[str, Any]) -> list[tuple[str, dict[str, Any] | bytes, int, str]]:
+    """(label, request body or raw bytes, status, type) for every kind of bad restore."""
+    blob = base64.b64decode(snap["blob_b64"])
+    tokens = snap["tokens"]
+    good = {"blob": snap["blob_b64"], "tokens": tokens}
+    cases: list[tuple[str, dict[str, Any] | bytes, int, str]] = [
+        ("not-base64", {**good, "blob": "this is not base64!!"}, 400, "bad_session_blob"),
+        ("base64-garbage", {**good, "blob": b64(b"\x00" * 1000)}, 400, "bad_session_blob"),
+        ("empty-blob", {**good, "blob": ""}, 400, "bad_session_blob"),
+        ("wrong-token", {**good, "tokens": [*tokens[:-1], (tokens[-1] + 1) % 1000]}, 400, "bad_session_blob"),
+        ("tokens-shorter", {**good, "tokens": tokens[:-1]}, 400, "bad_session_blob"),
+        ("tokens-longer", {**good, "tokens": [*tokens, tokens[-1]]}, 400, "bad_session_blob"),
+        ("tokens-empty", {**good, "tokens": []}, 400, "bad_session_blob"),
+        ("other-weights", {**good, "blob": b64(reweigh(blob, snap["weights_version"] ^ 1))}, 409,
+         "weights_version_mismatch"),
+        ("missing-blob", {"tokens": tokens}, 400, "invalid_request_error"),
+        ("missing-tokens", {"blob": snap["blob_b64"]}, 400, "invalid_request_error"),
+        ("empty-object", {}, 400, "invalid_request_error"),
+        ("malformed-json", b'{"blob": ', 400, "invalid_request_error"),
+        ("empty-body", b"", 400, "invalid_request_error"),
+        ("not-an-object", b"[1, 2, 3]", 400, "invalid_request_error"),
+    ]
+    for cut in (0, 10, 16, len(blob) // 2, len(blob) - 33, len(blob) - 1):
+        cases.append((f"truncated-{cut}", {**good, "blob": b64(blob[:cut])}, 400, "bad_session_blob"))
+    rng = random.Random(1234)
+    positions = [0, 8, 12, 20, len(blob) - 1, len(blob) - 32] + [rng.randrange(len(blob)) for _ in range(24)]
+    for pos in positions:
+        flipped = bytearray(blob)
+        flipped[pos] ^= 1 << rng.randrange(8)
+        cases.append((f"bitflip-{pos}", {**good, "blob": b64(bytes(flipped))}, 400, "bad_session_blob"))
+    return cases
+
+
+def test_every_rejected_restore_leaves_the_server_and_the_session_unchanged(server: ServerProcess,
+                                                                           cold: dict[str, Any]) -> None:
+    live, fresh = new_id("live"), new_id("fresh")
+    chat(server, req(FRANCE, session_id=live))
+    snap = exported(server, live)
+    failures = []
+    cases = _rejections(snap)
+    for i, (label, body, status, error_type) in enumerate(cases):
+        # Every case into the live session; every third one into a new id as well.
+        for target in (live, fresh) if i % 3 == 0 else (live,):
+            if isinstance(body, bytes):
+                r = restore(server, None, raw=body, headers={"X-Session-Id": target})
+            else:
+                r = restore(server, {**body, "session_id": target})
+            got = (r.status_code, r.json().get("error", {}).get("type") if r.status_code != 200 else "restored")
+            if got != (status, error_type):
+                failures.append((label, "live" if target == live else "new id", got, r.text[:200]))
+        if i % 6 == 5 or i == len(cases) - 1:
+            # The live session is untouched, the new id was not created, the server still serves.
+            after = exported(server, live)
+            assert after["tokens"] == snap["tokens"] and after["blob_b64"] == snap["blob_b64"], label
+            assert export(server, fresh).status_code == 404, label
+            assert chat(server, req(FRANCE, max_tokens=2))["choices"][0]["message"]["content"]
+    assert not failures, failures
+    # And the session still resumes as if nothing happened.
+    turn = chat(server, req(cold["second_messages"], session_id=live))
+    assert cached_of(turn) == snap["n_tok"]
+    assert content_of(turn) == content_of(cold["second"])
+    release(server, {"session_id": live})
+
+
+def test_blob_from_other_weights_is_409(tmp_path: Path) -> None:
+    """Two models of the same geometry with different weights (random tiny llamas, seeds 0 and 1): a blob
+    exported from one is refused by the other with 409 weights_version_mismatch, and accepted by itself.
+
+    weights_version hashes the tensor table, each tensor's first and last 64 bytes and one 64-byte sample per
+    MiB (pantheon/engine/loader.py); it does not read whole tensors, so a single edited byte elsewhere inside
+    a tensor is not detected (docs/ARCHITECTURE.md)."""
+    from tests.tiny_models import write_tiny_llama
+
+    mine = write_tiny_llama(tmp_path / "mine.gguf", seed=0)
+    theirs = write_tiny_llama(tmp_path / "theirs.gguf", seed=1)
+    env = {"PANTHEON_HOME": str(tmp_path / "home")}
+    a = start_server(mine, tmp_path / "log-a", "--max-sessions", "2", env=env)
+    b = start_server(theirs, tmp_path / "log-b", "--max-sessions", "2", env=env)
+    try:
+        sid = new_id("other")
+        chat(b, req(FRANCE, max_tokens=4, session_id=sid))
+        snap = exported(b, sid)
+        r = restore(a, {"session_id": sid, "blob": snap["blob_b64"], "tokens": snap["tokens"]})
+        assert_error(r, 409, "weights_version_mismatch")
+        chat(a, req(FRANCE, max_tokens=4, session_id=sid))
+        own = exported(a, sid)
+        release(a, {"session_id": sid})
+        r = restore(a, {"session_id": sid, "blob": own["blob_b64"], "tokens": own["tokens"]})
+        assert r.status_code == 200, r.text
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_export_errors(server: ServerProcess, end_ids: dict[str, int]) -> None:
+    assert_error(export(server, "no-such-session"), 404, "session_not_found")
+    assert_error(export(server, None), 400, "invalid_request_error")
+    # Export reads the body only: the header does not name a session here.
+    sid = new_id("hdr")
+    chat(server, req(FRANCE, max_tokens=2, session_id=sid))
+    r = httpx.post(server.base_url + "/admin/session/export", json={}, headers={"X-Session-Id": sid}, timeout=60)
+    assert_error(r, 400, "invalid_request_error")
+    r = httpx.post(server.base_url + "/admin/session/export", content=b"", timeout=60)
+    assert_error(r, 400, "invalid_request_error")
+    assert_error(export(server, sid, name="no-such-model"), 404, "model_not_found")
+    # A turn in flight on the session: 429 session_busy, then fine once it is over.
+    s = Streamer(server, {**endless(end_ids, 4000), "session_id": sid}).start()
+    with streams(s):
+        s.wait_token()
+        assert_error(export(server, sid), 429, "session_busy")
+    deadline = time.monotonic() + 30
+    while export(server, sid).status_code == 429 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    exported(server, sid)
+    release(server, {"session_id": sid})
+
+
+# -- estimate ------------------------------------------------------------------------------------------------
+
+def estimate(server: ServerProcess, query: str) -> httpx.Response:
+    return httpx.get(server.base_url + "/session/estimate?" + query, timeout=30)
+
+
+def test_estimate_arithmetic(server: ServerProcess) -> None:
+    r = estimate(server, "tokens=4096")
+    assert r.status_code == 200, r.text
+    e = r.json()
+    assert set(e) == {"model", "tokens", "prefill_tok_per_s", "cold_reprefill_s", "warm_restore_s",
+                      "blob_bytes_est"}, e
+    assert e["model"] == MODEL and e["tokens"] == 4096
+    assert e["blob_bytes_est"] == 4096 * 16384
+    assert e["warm_restore_s"] == pytest.approx(4096 * 16384 / 12.5e6, abs=1e-3)
+    assert e["prefill_tok_per_s"] > 0
+    # The response rounds: seconds to 3 decimals, the rate to 2.
+    assert e["cold_reprefill_s"] == pytest.approx(4096 / e["prefill_tok_per_s"], rel=1e-3, abs=1e-3)
+
+    e = estimate(server, f"tokens=100&name={MODEL}&blob_bytes=5000000&upload_bps=2000000").json()
+    assert e["model"] == MODEL and e["blob_bytes_est"] == 5_000_000
+    assert e["warm_restore_s"] == pytest.approx(2.5, abs=1e-3)
+    assert e["cold_reprefill_s"] == pytest.approx(100 / e["prefill_tok_per_s"], rel=1e-3, abs=1e-3)
+    e = estimate(server, "tokens=1000&upload_bps=1000000").json()
+    assert e["warm_restore_s"] == pytest.approx(1000 * 16384 / 1e6, abs=1e-3)
+
+    r = estimate(server, "tokens=10&name=no-such-model")
+    assert r.status_code == 200, r.text
+    assert r.json()["model"] == ""
+    for query in ("", "tokens=0", "tokens=-3", "name=" + MODEL, "tokens=abc"):
+        assert_error(estimate(server, query), 400, "invalid_request_error")
+
+
+# -- watch ---------------------------------------------------------------------------------------------------
+
+class Watch:
+    """A raw `GET /session/watch` connection: open reads the headers and the first comment; close hangs up."""
+
+    def __init__(self, server: ServerProcess, query: str, headers: str = "") -> None:
+        self.sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+        self.sock.sendall(f"GET /session/watch?{query} HTTP/1.1\r\nHost: x\r\n{headers}\r\n".encode())
+        data = b""
+        while True:
+            if b"\r\n\r\n" in data and data.startswith(b"HTTP/1.1 200") and b"watch established" in data:
+                break  # held open: read only what the server sent first
+            chunk = self.sock.recv(65536)
+            if not chunk:
+                break  # an error response: the server closes after it
+            data += chunk
+        self.head, _, self.body = data.partition(b"\r\n\r\n")
+        self.status = int(self.head.split(b" ", 2)[1])
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _body_text(chunked: bytes) -> bytes:
+    """The first chunk's data of a chunked body (or the body itself)."""
+    first, _, rest = chunked.partition(b"\r\n")
+    try:
+        int(first, 16)
+        return rest
+    except ValueError:
+        return chunked
+
+
+def test_watch_holds_a_session_and_releases_it_after_the_grace(default_model_path: Path, tmp_path: Path) -> None:
+    # TTL 3 s, grace 0.8 s: a release within ~2 s of closing the watch is the grace, not the TTL.
+    s = start_server(default_model_path, tmp_path, env={"PN_SESSION_IDLE_TTL_MS": "3000",
+                                                        "PN_SESSION_WATCH_GRACE_MS": "800"})
+    try:
+        probe = req(FRANCE, max_tokens=2)
+        chat(s, {**probe, "session_id": "w"})
+        w = Watch(s, "session_id=w")
+        assert w.status == 200, w.head
+        assert b"text/event-stream" in w.head.lower(), w.head
+        assert _body_text(w.body).startswith(b": watch established"), w.body
+        time.sleep(4.5)  # past the TTL, held
+        exported(s, "w")
+        w.close()
+        time.sleep(0.2)
+        exported(s, "w")  # within the grace
+        time.sleep(1.8)
+        assert_error(export(s, "w"), 404, "session_not_found")
+
+        # A new watch arriving within the grace keeps the session.
+        chat(s, {**probe, "session_id": "w"})
+        w1 = Watch(s, "session_id=w")
+        assert w1.status == 200
+        w1.close()
+        time.sleep(0.2)
+        w2 = Watch(s, "", headers="X-Session-Id: w\r\n")  # the header names the session too
+        assert w2.status == 200, w2.head
+        time.sleep(4.0)  # past the first grace and past the TTL
+        exported(s, "w")
+        assert cached_of(chat(s, {**probe, "session_id": "w"})) > 0
+        w2.close()
+        time.sleep(2.0)
+        assert_error(export(s, "w"), 404, "session_not_found")
+
+        for query, status, error_type in (("", 400, "invalid_request_error"),
+                                          ("session_id=w&name=no-such-model", 404, "model_not_found")):
+            w = Watch(s, query)
+            body = _body_text(w.body)
+            w.close()
+            assert w.status == status, w.head
+            assert json.loads(body[: body.rindex(b"}") + 1])["error"]["type"] == error_type, body
+    finally:
+        s.stop()
+
+
+# -- restart with --session-dir ------------------------------------------------------------------------------
+
+def test_sessions_survive_a_restart(default_model_path: Path, tmp_path: Path) -> None:
+    session_dir = tmp_path / "sessions"
+    first_server = start_server(default_model_path, tmp_path / "one", "--session-dir", str(session_dir))
+    try:
+        first = chat(first_server, req(FRANCE, session_id="kept"))
+        first_server.signal(signal.SIGTERM)
+        assert first_server.wait(120) == 0, first_server.log_tail()
+    finally:
+        first_server.stop()
+    saved = list(session_dir.rglob("*.pnsess"))
+    assert len(saved) == 1, list(session_dir.rglob("*"))
+    # Next to it: a corrupt file, a file whose name is no session id, and a blob from other weights.
+    folder = saved[0].parent
+    blob = saved[0].read_bytes()
+    corrupt = folder / (base64.urlsafe_b64encode(b"corrupt").decode() + ".pnsess")
+    corrupt.write_bytes(blob[: len(blob) // 3])
+    badname = folder / "!!!.pnsess"
+    badname.write_bytes(blob)
+    weights_version = json.loads(blob[16:16 + struct.unpack_from("<I", blob, 12)[0]])["weights_version"]
+    other = folder / (base64.urlsafe_b64encode(b"other-weights").decode() + ".pnsess")
+    other.write_bytes(reweigh(blob, weights_version ^ 1))
+
+    second_server = start_server(default_model_path, tmp_path / "two", "--session-dir", str(session_dir))
+    try:
+        second_messages = follow_up(FRANCE, content_of(first))
+        resumed = chat(second_server, req(second_messages, session_id="kept"))
+        assert cached_of(resumed) == first["usage"]["kv_used"], (first["usage"], resumed["usage"])
+        # Equal to the uninterrupted run (on this server, under another id) and to cold.
+        chat(second_server, req(FRANCE, session_id="straight"))
+        straight = chat(second_server, req(second_messages, session_id="straight"))
+        assert cached_of(straight) == cached_of(resumed)
+        assert content_of(resumed) == content_of(straight) == content_of(chat(second_server, req(second_messages)))
+        for name in ("corrupt", "other-weights"):
+            assert_error(export(second_server, name), 404, "session_not_found")
+        files = sorted(p.name for p in folder.iterdir())
+        for path in (corrupt, other):
+            assert not path.exists() and path.with_name(path.name + ".rejected").exists(), files
+        # A file whose name decodes to no session id is rejected too (not loaded under some other id).
+        assert not badname.exists() and badname.with_name(badname.name + ".rejected").exists(), \
+            (files, second_server.log_tail())
+    finally:
+        second_server.stop()
