@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pantheon.chat.tools import ArgsDelta, CallEnd, CallError, CallStart, TextDelta, ToolCallParser
+from pantheon.chat.tools.base import partial_suffix
 from pantheon.engine.sampling import SampledToken
 from pantheon.io.tokenizer import StreamingDecoder, Tokenizer
 
@@ -30,17 +31,6 @@ class Delta:
 
     def __bool__(self) -> bool:
         return bool(self.reasoning or self.content or self.logprobs or self.tool_calls)
-
-
-def _partial_suffix(text: str, needles: list[str]) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of one of `needles`."""
-    best = 0
-    for needle in needles:
-        for n in range(min(len(needle) - 1, len(text)), best, -1):
-            if text.endswith(needle[:n]):
-                best = n
-                break
-    return best
 
 
 class StopFilter:
@@ -62,7 +52,7 @@ class StopFilter:
             self._pending = ""
             self.stopped = True
             return out
-        hold = _partial_suffix(self._pending, self.stops)
+        hold = partial_suffix(self._pending, self.stops)
         out = self._pending[: len(self._pending) - hold]
         self._pending = self._pending[len(self._pending) - hold :]
         return out
@@ -105,7 +95,7 @@ class ThinkSplitter:
                     self._pending = self._pending[i + len(THINK_CLOSE):]
                     self.in_think, self._after_close = False, True
                     continue
-                hold = _partial_suffix(self._pending, [THINK_CLOSE])
+                hold = partial_suffix(self._pending, [THINK_CLOSE])
                 delta.reasoning += self._pending[: len(self._pending) - hold]
                 self._pending = self._pending[len(self._pending) - hold:]
                 return

@@ -171,21 +171,31 @@ class SessionTable:
         else:
             conflict = False
         # A new conversation under this id (or a cold copy of a busy one).
+        got = self._conversation_slot(session)
+        if got is None:
+            return None
+        slot, evicted = got
+        session.last_used = now
+        return self._take(slot, 0, now, conflict or evicted)
+
+    def _conversation_slot(self, session: Session) -> tuple[SlotInfo, bool] | None:
+        """An emptied slot for a new conversation of `session`: a free one while it has fewer than
+        conversations_per_session, else its least recently used idle conversation (evicted: True)."""
         if len(session.slots) < self.conversations_per_session:
             slot = self._free_unowned_slot()
             if slot is None:
                 return None
-            slot.session = session_id
+            slot.session = session.id
             session.slots.append(slot)
+            evicted = False
         else:
             idle = [s for s in session.slots if not s.busy]
             if not idle:
                 return None
             slot = min(idle, key=lambda s: s.last_used)
-            conflict = True  # evicting another conversation of this id: it can no longer resume
+            evicted = True  # that conversation can no longer resume
         slot.clear()
-        session.last_used = now
-        return self._take(slot, 0, now, conflict)
+        return slot, evicted
 
     def _open_session(self, session_id: str, slot: SlotInfo, now: float) -> Session:
         session = self.sessions[session_id] = Session(session_id, last_used=now)
@@ -266,24 +276,13 @@ class SessionTable:
             self._take(slot, 0, now)
             slot.anchor = int(CONTINUATION_FRACTION * len(tokens))
             return slot
-        target = None
-        for slot in session.slots:
-            n = common_prefix(slot.tokens, tokens)
-            if slot.tokens and n >= max(1, min(slot.anchor, len(slot.tokens))) and not slot.busy:
-                target = slot
-                break
+        target = next((slot for slot in session.slots if slot.tokens and not slot.busy
+                       and common_prefix(slot.tokens, tokens) >= max(1, min(slot.anchor, len(slot.tokens)))), None)
         if target is None:
-            if len(session.slots) < self.conversations_per_session:
-                target = self._free_unowned_slot()
-                if target is None:
-                    return None
-                target.session = session_id
-                session.slots.append(target)
-            else:
-                idle = [s for s in session.slots if not s.busy]
-                if not idle:
-                    return None
-                target = min(idle, key=lambda s: s.last_used)
+            got = self._conversation_slot(session)
+            if got is None:
+                return None
+            target = got[0]
         target.clear()
         session.last_used = now
         self._take(target, 0, now)

@@ -160,10 +160,12 @@ class LlamaModel:
 
     def read_slot(self, state: KVState, slot: int, n_tokens: int) -> list[tuple[str, np.ndarray]]:
         """Copies of one slot's state for its first n_tokens positions (for a session blob)."""
+        be = self.backend
         arrays = []
         for li in range(self.config.n_layers):
-            arrays.append((f"k{li}", state.k[li][slot, :n_tokens].copy()))
-            arrays.append((f"v{li}", state.v[li][slot, :n_tokens].copy()))
+            # np.array copies: a host view must not alias the live pool (on cuda to_host already copies).
+            arrays.append((f"k{li}", np.array(be.to_host(state.k[li][slot, :n_tokens]))))
+            arrays.append((f"v{li}", np.array(be.to_host(state.v[li][slot, :n_tokens]))))
         return arrays
 
     def slot_layout(self, n_tokens: int) -> list[tuple[str, tuple[int, ...]]]:
