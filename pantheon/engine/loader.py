@@ -107,6 +107,7 @@ class QuantizeAtLoad:
 
     FLOAT_TYPES = (0, 1, 30)
     Q8_0 = 8
+    quantizes_at_load = True
 
     def __init__(self, inner: Any) -> None:
         self._inner = inner

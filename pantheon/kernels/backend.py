@@ -55,6 +55,10 @@ class Backend(Protocol):
     def embed(self, w: Any, ids: Array) -> Array:
         """Rows `ids` of W, dequantized: (len(ids), K)."""
 
+    def split_cols(self, x: Array, widths: tuple[int, ...]) -> list[Array]:
+        """Consecutive column blocks of x (T, sum(widths)) as contiguous arrays (optional: model code stacks
+        matrices that share an input only on backends that have it)."""
+
     def gather_rows(self, x: Array, rows: Array) -> Array:
         """x[rows] as a new contiguous array."""
 

@@ -73,6 +73,21 @@ class LlamaBlock:
     w_gate: Any
     w_up: Any
     w_down: Any
+    # The same matrices stacked by rows, when their formats allow it: one matmul (one kernel launch, one
+    # pass of the activations) instead of three and two. None: use the separate ones.
+    w_qkv: Any = None
+    w_gate_up: Any = None
+
+
+def _stacked(gguf: GGUFFile, backend: Any, names: list[str]) -> Any:
+    """One matrix made of the named matrices' rows, or None when their types or widths differ or the backend
+    cannot take such a matrix. The quantized bytes are concatenated, never dequantized."""
+    infos = [gguf.tensors[n] for n in names]
+    if (len({i.qtype for i in infos}) != 1 or len({i.cols for i in infos}) != 1
+            or not hasattr(backend, "split_cols") or getattr(backend, "quantizes_at_load", False)):
+        return None
+    raw = np.concatenate([gguf.tensor_bytes(n) for n in names])
+    return backend.weight_from_raw(raw, infos[0].qtype, sum(i.rows for i in infos), infos[0].cols)
 
 
 @dataclass
@@ -125,6 +140,8 @@ class LlamaModel:
                 w_gate=backend.weight(gguf, need(p + "ffn_gate.weight")),
                 w_up=backend.weight(gguf, need(p + "ffn_up.weight")),
                 w_down=backend.weight(gguf, need(p + "ffn_down.weight")),
+                w_qkv=_stacked(gguf, backend, [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"]),
+                w_gate_up=_stacked(gguf, backend, [p + "ffn_gate.weight", p + "ffn_up.weight"]),
             ))
         tok_embd = backend.weight(gguf, need("token_embd.weight"))
         output = backend.weight(gguf, "output.weight") if "output.weight" in gguf.tensors else tok_embd
@@ -204,13 +221,18 @@ class LlamaModel:
             [np.arange(r.start_pos, r.start_pos + n, dtype=np.int32) for r, n in zip(batch, lengths)]))
         token_slots = be.upload(np.repeat(np.array([r.slot for r in batch], dtype=np.int32), lengths))
         scale = 1.0 / float(np.sqrt(c.head_dim))
+        q_dim, kv_dim = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
 
         x = be.embed(self.tok_embd, tokens)
         h = be.rmsnorm(x, self.blocks[0].attn_norm, c.rms_eps)
         for li, blk in enumerate(self.blocks):
-            q = be.matmul(blk.wq, h).reshape(n_tok, c.n_heads, c.head_dim)
-            k = be.matmul(blk.wk, h).reshape(n_tok, c.n_kv_heads, c.head_dim)
-            v = be.matmul(blk.wv, h).reshape(n_tok, c.n_kv_heads, c.head_dim)
+            if blk.w_qkv is not None:
+                q, k, v = be.split_cols(be.matmul(blk.w_qkv, h), (q_dim, kv_dim, kv_dim))
+            else:
+                q, k, v = be.matmul(blk.wq, h), be.matmul(blk.wk, h), be.matmul(blk.wv, h)
+            q = q.reshape(n_tok, c.n_heads, c.head_dim)
+            k = k.reshape(n_tok, c.n_kv_heads, c.head_dim)
+            v = v.reshape(n_tok, c.n_kv_heads, c.head_dim)
             be.rope_inplace(q, positions, c.rope_dim, c.rope_base, False, c.rope_scale)
             be.rope_inplace(k, positions, c.rope_dim, c.rope_base, False, c.rope_scale)
             k_pool, v_pool = state.k[li], state.v[li]
@@ -225,7 +247,10 @@ class LlamaModel:
                     be.attention(q[a:b], k_pool, v_pool, row.slot, row.start_pos, scale, out=attn[a:b])
             o = be.matmul(blk.wo, attn.reshape(n_tok, c.n_heads * c.head_dim))
             be.add_rmsnorm(x, o, blk.ffn_norm, c.rms_eps, h)
-            ff = be.swiglu(be.matmul(blk.w_gate, h), be.matmul(blk.w_up, h))
+            if blk.w_gate_up is not None:
+                ff = be.swiglu(*be.split_cols(be.matmul(blk.w_gate_up, h), (c.ffn_dim, c.ffn_dim)))
+            else:
+                ff = be.swiglu(be.matmul(blk.w_gate, h), be.matmul(blk.w_up, h))
             d = be.matmul(blk.w_down, ff)
             next_norm = self.blocks[li + 1].attn_norm if li + 1 < len(self.blocks) else self.output_norm
             be.add_rmsnorm(x, d, next_norm, c.rms_eps, h)

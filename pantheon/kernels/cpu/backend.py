@@ -83,6 +83,15 @@ class CpuBackend:
         return array
 
     @staticmethod
+    def split_cols(x: np.ndarray, widths: tuple[int, ...]) -> list[np.ndarray]:
+        """Consecutive column blocks of x (T, sum(widths)), each contiguous (views when T == 1)."""
+        out, start = [], 0
+        for width in widths:
+            out.append(np.ascontiguousarray(x[:, start : start + width]))
+            start += width
+        return out
+
+    @staticmethod
     def gather_rows(x: np.ndarray, rows: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(x[rows])
 
