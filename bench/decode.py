@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import numba
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -43,6 +44,40 @@ def bench_pantheon(path: Path, threads: int, n_prompt: int, n_decode: int, runs:
             tok, pos = int(np.argmax(logits[0])), pos + 1
         decode.append(n_decode / (time.perf_counter() - t))
     return {"prefill_tok_s": median(prefill), "decode_tok_s": median(decode)}
+
+
+@numba.njit(parallel=True, nogil=True, cache=True, fastmath=True)
+def _read_all(a: np.ndarray) -> float:
+    total = np.float32(0.0)
+    for i in numba.prange(a.shape[0]):
+        total += a[i]
+    return total
+
+
+def memory_read_gb_s(threads: int, size_bytes: int = 1 << 30) -> float:
+    """Measured read bandwidth: a parallel sum over a 1 GiB float32 array (best of 5)."""
+    numba.set_num_threads(threads)
+    a = np.ones(size_bytes // 4, dtype=np.float32)
+    _read_all(a)
+    best = min(_timed(lambda: _read_all(a)) for _ in range(5))
+    return size_bytes / best / 1e9
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def weight_bytes_per_token(path: Path) -> int:
+    """Bytes of weights one decode step reads: every matrix once; the token embedding table is read whole
+    only when it is also the output matrix (tied), else one row of it."""
+    from pantheon.io.gguf_file import open_gguf
+
+    gguf = open_gguf(path, read_env().cache_dir)
+    total = sum(t.nbytes for name, t in gguf.tensors.items() if name != "token_embd.weight")
+    embd = gguf.tensors["token_embd.weight"]
+    return total + (embd.nbytes if "output.weight" not in gguf.tensors else embd.nbytes // embd.rows)
 
 
 def bench_llama_cpp(path: Path, threads: int, tokens: list[int], n_decode: int, runs: int) -> dict[str, float] | None:
@@ -81,13 +116,21 @@ def main() -> None:
 
     tok = Tokenizer.from_gguf_metadata(open_gguf(path, read_env().cache_dir).metadata)
     ref = bench_llama_cpp(path, args.threads, prompt_tokens(tok, args.prompt), args.decode, args.runs)
+    bandwidth = memory_read_gb_s(args.threads)
+    per_token = weight_bytes_per_token(path)
+    floor = bandwidth * 1e9 / per_token
     print(f"SmolLM2-135M-Instruct Q4_1, {args.threads} threads, prompt {args.prompt}, decode {args.decode}, "
           f"median of {args.runs}")
-    print(f"{'figure':<28}{'pantheon':>12}{'llama.cpp':>12}{'ratio':>8}")
+    print(f"memory-bandwidth floor: {per_token / 1e6:.1f} MB of weights per token at {bandwidth:.1f} GB/s "
+          f"measured read bandwidth = {floor:.0f} tok/s decode ceiling")
+    print(f"{'figure':<28}{'pantheon':>12}{'llama.cpp':>12}{'ratio':>8}{'pantheon/floor':>16}")
     for key, label in (("prefill_tok_s", "prefill tok/s"), ("decode_tok_s", "decode tok/s (1 stream)")):
         r = ref[key] if ref else float("nan")
-        print(f"{label:<28}{ours[key]:>12.1f}{r:>12.1f}{ours[key] / r if ref else float('nan'):>8.2f}")
-    out = write_result("decode", {"args": vars(args), "pantheon": ours, "llama_cpp": ref})
+        of_floor = f"{ours[key] / floor:>16.2f}" if key == "decode_tok_s" else f"{'-':>16}"
+        print(f"{label:<28}{ours[key]:>12.1f}{r:>12.1f}{ours[key] / r if ref else float('nan'):>8.2f}{of_floor}")
+    out = write_result("decode", {"args": vars(args), "pantheon": ours, "llama_cpp": ref,
+                                  "floor": {"weight_bytes_per_token": per_token, "read_gb_s": bandwidth,
+                                            "decode_tok_s": floor}})
     print(f"wrote {out}")
 
 
