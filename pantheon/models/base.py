@@ -24,6 +24,22 @@ class BatchRow:
     logits: str = "last"
 
 
+def output_logits(backend: Any, output: Any, h: Any, batch: list[BatchRow], offsets: Any, vocab_size: int) -> np.ndarray:
+    """The logits of the positions the batch asks for. `h` holds the final-normed hidden state of every
+    token of the step (rows in batch order, `offsets` the row boundaries); only the wanted rows go through
+    the output matrix."""
+    wanted: list[int] = []
+    for row, a, b in zip(batch, offsets[:-1], offsets[1:]):
+        if row.logits == "all":
+            wanted.extend(range(a, b))
+        elif row.logits == "last":
+            wanted.append(b - 1)
+    if not wanted:
+        return np.empty((0, vocab_size), dtype=np.float32)
+    rows = h if len(wanted) == int(offsets[-1]) else backend.gather_rows(h, backend.upload(np.array(wanted, np.int64)))
+    return backend.to_host(backend.matmul(output, rows))[:, :vocab_size]
+
+
 class Model(Protocol):
     architecture: str
     vocab_size: int

@@ -15,7 +15,7 @@ import numpy as np
 
 from pantheon.errors import ModelLoadError
 from pantheon.io.gguf_file import GGUFFile
-from pantheon.models.base import BatchRow
+from pantheon.models.base import BatchRow, output_logits
 
 
 @dataclass(frozen=True)
@@ -255,14 +255,5 @@ class LlamaModel:
             next_norm = self.blocks[li + 1].attn_norm if li + 1 < len(self.blocks) else self.output_norm
             be.add_rmsnorm(x, d, next_norm, c.rms_eps, h)
 
-        # h now holds output_norm(x) for every position; keep only the rows that need logits.
-        wanted: list[int] = []
-        for row, a, b in zip(batch, offsets[:-1], offsets[1:]):
-            if row.logits == "all":
-                wanted.extend(range(a, b))
-            elif row.logits == "last":
-                wanted.append(b - 1)
-        if not wanted:
-            return np.empty((0, c.vocab_size), dtype=np.float32)
-        rows = h if len(wanted) == n_tok else be.gather_rows(h, be.upload(np.array(wanted, dtype=np.int64)))
-        return be.to_host(be.matmul(self.output, rows))[:, : c.vocab_size]
+        # h now holds output_norm(x) for every position.
+        return output_logits(be, self.output, h, batch, offsets, c.vocab_size)

@@ -35,7 +35,7 @@ import numpy as np
 
 from pantheon.errors import ModelLoadError
 from pantheon.io.gguf_file import GGUFFile
-from pantheon.models.base import BatchRow
+from pantheon.models.base import BatchRow, output_logits
 
 ARCHITECTURES = ("qwen35", "qwen35moe", "qwen3next")
 
@@ -534,17 +534,8 @@ class Qwen35Model:
         for row in batch:
             state.n_tokens[row.slot] = row.start_pos + len(row.tokens)
 
-        # h now holds output_norm(x) for every position; keep only the rows that need logits.
-        wanted: list[int] = []
-        for row, a, b in zip(batch, offsets[:-1], offsets[1:]):
-            if row.logits == "all":
-                wanted.extend(range(a, b))
-            elif row.logits == "last":
-                wanted.append(b - 1)
-        if not wanted:
-            return np.empty((0, c.vocab_size), dtype=np.float32)
-        rows = h if len(wanted) == n_tok else be.gather_rows(h, be.upload(np.array(wanted, dtype=np.int64)))
-        return be.to_host(be.matmul(self.output, rows))[:, : c.vocab_size]
+        # h now holds output_norm(x) for every position.
+        return output_logits(be, self.output, h, batch, offsets, c.vocab_size)
 
     def _attention(self, m: GatedAttention, k_pool: Any, v_pool: Any, h: Any, step: "_Step") -> Any:
         c, be, n = self.config, self.backend, step.n_tok
