@@ -46,6 +46,7 @@ def main() -> int:
         ops.KERNELS["swiglu"]: (arr(f32, 1), arr(f32, 1), arr(f32, 1)),
         ops.KERNELS["kv_write"]: (arr(f32, 4), arr(i32, 1), arr(i32, 1), arr(f32, 3)),
         ops.KERNELS["gather_rows"]: (arr(f32, 2), arr(i64, 1), arr(f32, 2)),
+        ops.KERNELS["copy_cols"]: (arr(f32, 2), i64, arr(f32, 2)),
         ops.KERNELS["fill"]: (arr(f32, 1), i64),
         ops.KERNELS["attention_prefill"]: (arr(f32, 3), arr(f32, 3), arr(f32, 3), i64, f64, arr(f32, 3)),
         ops.KERNELS["attention_decode"]: (arr(f32, 3), arr(f32, 4), arr(f32, 4), arr(i32, 1), arr(i32, 1), i64, i64,

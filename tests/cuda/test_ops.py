@@ -90,6 +90,12 @@ def test_swiglu_kv_write_gather_fill(env):
     x = random(rng, (4, 6))
     rows = np.array([3, 0, 3], np.int64)
     assert np.array_equal(ops.gather_rows(dev(cuda, x), dev(cuda, rows)).copy_to_host(), x[rows])
+    parts = ops.split_cols(dev(cuda, x), (1, 3, 2))
+    assert [p.shape for p in parts] == [(4, 1), (4, 3), (4, 2)]
+    for part, expected in zip(parts, (x[:, :1], x[:, 1:4], x[:, 4:])):
+        assert np.array_equal(part.copy_to_host(), expected)
+    with pytest.raises(ValueError):
+        ops.split_cols(dev(cuda, x), (2, 2))
     filled = ops.fill(cuda.device_array((3, 5), np.float32), 0).copy_to_host()
     assert np.array_equal(filled, np.zeros((3, 5), np.float32))
 

@@ -204,6 +204,9 @@ class CudaBackend:
             ids = self._checked(ids, 0, w.rows, "token id")
         return quant.embed(w, ids, self.stream, self.geometry)
 
+    def split_cols(self, x: Any, widths: tuple[int, ...]) -> list[Any]:
+        return ops.split_cols(self._device(x), widths, self.stream, self.geometry)
+
     def gather_rows(self, x: Any, rows: Any) -> Any:
         if isinstance(rows, np.ndarray):
             rows = self._checked(rows, 0, x.shape[0], "row")

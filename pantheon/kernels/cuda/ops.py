@@ -225,6 +225,32 @@ def gather_rows(x: Any, rows: Any, stream: Any = 0, geometry: Geometry = GEOMETR
 
 
 @cuda.jit
+def _copy_cols_kernel(x, start, out):
+    width = out.shape[1]
+    for item in range(cuda.grid(1), out.shape[0] * width, cuda.gridsize(1)):
+        r = item // width
+        c = item % width
+        out[r, c] = x[r, start + c]
+
+
+def split_cols(x: Any, widths: tuple[int, ...], stream: Any = 0, geometry: Geometry = GEOMETRY) -> list[Any]:
+    """Consecutive column blocks of x (T, sum(widths)), each copied into its own contiguous device array
+    (the kernels index rows by their width, so a strided view would not do)."""
+    if sum(widths) != x.shape[1]:
+        raise ValueError(f"column widths {widths} do not add up to {x.shape[1]}")
+    parts, start = [], 0
+    for width in widths:
+        out = cuda.device_array((x.shape[0], width), dtype=x.dtype, stream=stream)
+        n = x.shape[0] * width
+        if n:
+            threads = geometry.ew_threads
+            _copy_cols_kernel[blocks(n, threads=threads, geometry=geometry), threads, stream](x, start, out)
+        parts.append(out)
+        start += width
+    return parts
+
+
+@cuda.jit
 def _fill_kernel(flat, value):
     for i in range(cuda.grid(1), flat.shape[0], cuda.gridsize(1)):
         flat[i] = value
@@ -522,6 +548,7 @@ KERNELS = {
     "swiglu": _swiglu_kernel,
     "kv_write": _kv_write_kernel,
     "gather_rows": _gather_rows_kernel,
+    "copy_cols": _copy_cols_kernel,
     "fill": _fill_kernel,
     "attention_prefill": _attention_prefill_kernel,
     "attention_decode": _attention_decode_kernel,
@@ -529,4 +556,4 @@ KERNELS = {
 }
 
 __all__ = ["DecodeScratch", "add_rmsnorm", "attention", "attention_decode_batch", "fill", "gather_rows",
-           "kv_write", "rmsnorm", "rope_inplace", "swiglu"]
+           "kv_write", "rmsnorm", "rope_inplace", "split_cols", "swiglu"]
