@@ -129,7 +129,7 @@ def in_process_decode(path: Path, threads: int, prompt: str, n_decode: int, runs
     from pantheon.kernels.cpu.backend import CpuBackend
     from pantheon.models.base import BatchRow
 
-    served = load_served_model(ModelOptions(path=path, name="bench"), read_env(), CpuBackend(threads))
+    served = load_served_model(ModelOptions(path=path, name="bench"), read_env(), CpuBackend(threads, int8=read_env().cpu_int8))
     model = served.model
     text = served.template.render([{"role": "user", "content": prompt}], add_generation_prompt=True, extra={})
     tokens = np.array(served.tokenizer.encode(text, parse_special=True), np.int32)

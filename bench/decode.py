@@ -4,7 +4,7 @@
 
 llama.cpp runs through llama-cpp-python when it is importable (`pip install -e '.[bench]'`), with the same
 thread count, prompt tokens and greedy decoding. Prints medians and the ratio Pantheon / llama.cpp, and
-writes bench/results/<date>-decode.json.
+writes bench/results/<date>-decode.json. PANTHEON_CPU_INT8=1 measures the int8-activation path.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pantheon.models.base import BatchRow  # noqa: E402
 
 
 def bench_pantheon(path: Path, threads: int, n_prompt: int, n_decode: int, runs: int) -> dict[str, float]:
-    served = load_served_model(ModelOptions(path=path, name="bench"), read_env(), CpuBackend(threads))
+    served = load_served_model(ModelOptions(path=path, name="bench"), read_env(), CpuBackend(threads, int8=read_env().cpu_int8))
     model = served.model
     tokens = np.array(prompt_tokens(served.tokenizer, n_prompt), np.int32)
     state = model.new_state(1, n_prompt + n_decode + 8)
@@ -120,7 +120,8 @@ def main() -> None:
     per_token = weight_bytes_per_token(path)
     floor = bandwidth * 1e9 / per_token
     print(f"SmolLM2-135M-Instruct Q4_1, {args.threads} threads, prompt {args.prompt}, decode {args.decode}, "
-          f"median of {args.runs}")
+          f"median of {args.runs}, {'int8' if read_env().cpu_int8 else 'float32'} activations "
+          "(PANTHEON_CPU_INT8)")
     print(f"memory-bandwidth floor: {per_token / 1e6:.1f} MB of weights per token at {bandwidth:.1f} GB/s "
           f"measured read bandwidth = {floor:.0f} tok/s decode ceiling")
     print(f"{'figure':<28}{'pantheon':>12}{'llama.cpp':>12}{'ratio':>8}{'pantheon/floor':>16}")

@@ -1,8 +1,12 @@
 """The default model against independent implementations (tests/golden/make_smollm2_golden.py made the data).
 
-Bar: against transformers (exact f32 arithmetic on the same GGUF weights), at every prompt position cosine
-similarity >= 0.999 and the same argmax, and 32 greedy tokens identical; against llama.cpp, the same 32
-greedy tokens (its 8-bit activation rounding makes its per-position logits a different computation).
+Each arithmetic of the cpu backend against the implementation that computes the same way:
+- float path (PANTHEON_CPU_INT8=0) against transformers (exact f32 arithmetic on the same GGUF weights): at
+  every prompt position cosine similarity >= 0.999 and the same argmax;
+- int8 path (the default where the CPU has the instructions: activations rounded to 8-bit blocks before
+  each Q4_1 / Q8_0 matmul, as llama.cpp does) against llama.cpp's logits: cosine >= 0.99 at every position
+  (the two differ in how the block scales are stored and summed), and still transformers' argmax everywhere.
+Both paths: 32 greedy tokens identical to transformers' and to llama.cpp's.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import pytest
 
 from pantheon.config import ModelOptions, read_env
 from pantheon.engine.loader import load_served_model
+from pantheon.kernels.cpu import int8dot
 from pantheon.kernels.cpu.backend import CpuBackend
 from pantheon.models.base import BatchRow
 
@@ -22,9 +27,13 @@ GOLDEN = Path(__file__).parent / "golden" / "smollm2_golden.npz"
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def served(default_model_path: Path):
-    return load_served_model(ModelOptions(path=default_model_path, name="smollm2"), read_env(), CpuBackend())
+@pytest.fixture(scope="module", params=[False, True], ids=["float", "int8"])
+def served(request, default_model_path: Path):
+    if request.param and int8dot.INT8_ISA is None:
+        pytest.skip("this CPU has neither VNNI nor AVX2: the int8 path does not exist here")
+    backend = CpuBackend(int8=request.param)
+    assert backend.int8 == request.param
+    return load_served_model(ModelOptions(path=default_model_path, name="smollm2"), read_env(), backend)
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +42,9 @@ def golden() -> dict[str, np.ndarray]:
         return {k: data[k] for k in data.files}
 
 
-def reference_logits(g: dict[str, np.ndarray]) -> np.ndarray:
-    return g["logits_q"].astype(np.float32) * g["logits_scale"][:, None] + g["logits_offset"][:, None]
+def reference_logits(g: dict[str, np.ndarray], prefix: str = "") -> np.ndarray:
+    return (g[f"{prefix}logits_q"].astype(np.float32) * g[f"{prefix}logits_scale"][:, None]
+            + g[f"{prefix}logits_offset"][:, None])
 
 
 def test_tokenization_of_the_golden_prompt_matches(served, golden) -> None:
@@ -47,10 +57,12 @@ def test_logits_at_every_position(served, golden) -> None:
     tokens = golden["tokens"]
     state = served.model.new_state(1, 512)
     ours = served.model.forward(state, [BatchRow(0, tokens, 0, "all")])
-    ref = reference_logits(golden)
+    int8 = served.model.backend.int8
+    ref = reference_logits(golden, "llama_" if int8 else "")
     assert ours.shape == ref.shape
     cos = (ours * ref).sum(1) / np.linalg.norm(ours, axis=1) / np.linalg.norm(ref, axis=1)
-    assert cos.min() >= 0.999, f"min cosine {cos.min():.5f} at position {int(cos.argmin())}"
+    bar = 0.99 if int8 else 0.999
+    assert cos.min() >= bar, f"min cosine {cos.min():.5f} at position {int(cos.argmin())}"
     assert np.array_equal(ours.argmax(1), golden["argmax"])
 
 

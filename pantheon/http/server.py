@@ -31,7 +31,7 @@ log = logging.getLogger("pantheon")
 def make_backend(options: ServeOptions) -> Any:
     from pantheon.kernels.cpu.backend import CpuBackend
 
-    return CpuBackend(threads=options.resolved_threads)
+    return CpuBackend(threads=options.resolved_threads, int8=options.env.cpu_int8)
 
 
 async def _watch_memory(state: ServerState, env: EnvKnobs) -> None:

@@ -82,7 +82,7 @@ def test_tiny_llama_matches_cpu(tmp_path: Path) -> None:
     from pantheon.kernels.cuda.backend import CudaBackend
 
     gguf_file = open_gguf(write_model(tmp_path / "tiny.gguf"))
-    models = [LlamaModel.from_gguf(gguf_file, CpuBackend()), LlamaModel.from_gguf(gguf_file, CudaBackend())]
+    models = [LlamaModel.from_gguf(gguf_file, CpuBackend(int8=False)), LlamaModel.from_gguf(gguf_file, CudaBackend())]
     states = [m.new_state(2, CTX) for m in models]
 
     def step(batch: list[BatchRow]) -> np.ndarray:

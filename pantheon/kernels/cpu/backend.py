@@ -7,7 +7,7 @@ import numpy as np
 
 from pantheon.errors import ModelLoadError
 from pantheon.io.gguf_file import GGUFFile
-from pantheon.kernels.cpu import moe, ops, quant, ssm
+from pantheon.kernels.cpu import int8dot, moe, ops, quant, ssm
 from pantheon.kernels.cpu.moe import ExpertWeights
 from pantheon.kernels.cpu.quant import QWeight
 
@@ -18,8 +18,10 @@ class CpuBackend:
     name = "cpu"
     accelerator = False
 
-    def __init__(self, threads: int = 0) -> None:
+    def __init__(self, threads: int = 0, int8: bool = False) -> None:
         self.threads = min(threads, numba.config.NUMBA_NUM_THREADS) if threads > 0 else numba.config.NUMBA_NUM_THREADS
+        # int8 activations for Q4_1 / Q8_0 weights where the CPU has the instructions (quant.matmul).
+        self.int8 = int8 and int8dot.INT8_ISA is not None
 
     # -- weights -------------------------------------------------------------------------------------------
     def weight(self, gguf: GGUFFile, name: str) -> QWeight:
@@ -104,7 +106,13 @@ class CpuBackend:
                   out: np.ndarray | None = None) -> np.ndarray:
         return ops.attention(q, k_pool[slot], v_pool[slot], start_pos, scale, out)
 
-    matmul = staticmethod(quant.matmul)
+    def without_int8(self) -> "CpuBackend":
+        """The same backend with every activation kept in float32 (for models that need that arithmetic)."""
+        return CpuBackend(self.threads, int8=False)
+
+    def matmul(self, w: QWeight, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        return quant.matmul(w, x, out, int8=self.int8)
+
     embed = staticmethod(quant.dequantize_rows)
     rmsnorm = staticmethod(ops.rmsnorm)
     add_rmsnorm = staticmethod(ops.add_rmsnorm)

@@ -33,6 +33,8 @@ from llvmlite import ir
 from numba import prange, types
 from numba.extending import intrinsic
 
+from pantheon.kernels.cpu import int8dot
+
 __all__ = [
     "SUPPORTED_TYPES",
     "QWeight",
@@ -125,10 +127,13 @@ def prepare_weight(raw: np.ndarray, qtype: int, rows: int, cols: int) -> QWeight
     return QWeight(qtype, rows, cols, data)
 
 
-def matmul(w: QWeight, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+def matmul(w: QWeight, x: np.ndarray, out: np.ndarray | None = None, *, int8: bool = False) -> np.ndarray:
     """out = x @ dequantize(w).T, float32 (B, N).
 
     x is float32 (B, K), C-contiguous; out, if given, is float32 (B, N), C-contiguous, and is written in place.
+    int8: for the types of `int8dot.INT8_TYPES`, on CPUs that have the instructions, x is first rounded to int8
+    blocks and the products are integer (llama.cpp's arithmetic; see int8dot). Either way a row's result does
+    not depend on the other rows of x.
 
     Raises:
         UnsupportedTensorType: w.qtype is not in SUPPORTED_TYPES.
@@ -148,7 +153,10 @@ def matmul(w: QWeight, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarr
         raise ValueError(f"out must be C-contiguous float32 of shape ({batch}, {w.rows}), got {out.dtype} {out.shape}")
     if batch == 0:
         return out
-    _gemm_rows(w.qtype, w.data, x, out, _N16, 4 * numba.get_num_threads())
+    if int8 and int8dot.INT8_ISA is not None and w.qtype in int8dot.INT8_TYPES:
+        int8dot.matmul(w.qtype, w.data, x, out)
+    else:
+        _gemm_rows(w.qtype, w.data, x, out, _N16, 4 * numba.get_num_threads())
     return out
 
 

@@ -57,3 +57,22 @@ def random_weight_bytes(qtype: int, rows: int, cols: int, rng: np.random.Generat
         scale = rng.uniform(1e-3, 1e-1, (rows, n_blocks)) * rng.choice([-1.0, 1.0], (rows, n_blocks))
         raw[:, :, offset : offset + 2] = scale.astype(np.float16).view(np.uint8).reshape(rows, n_blocks, 2)
     return raw.reshape(rows, n_blocks * block_bytes)
+
+
+def quantize_rows_q8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The int8 rounding of pantheon.kernels.cpu.int8dot, in numpy: per block of 32 values of each row,
+    d = max|x| / 127 and q = round-half-even(x * (1 / d)), all in float32. Returns (q int8 (B, K), d (B, K/32))."""
+    x = np.asarray(x, dtype=np.float32)
+    blocks = x.reshape(x.shape[0], -1, 32)
+    d = (np.abs(blocks).max(axis=2) / np.float32(127.0)).astype(np.float32)
+    with np.errstate(divide="ignore"):
+        inv = np.where(d > 0, np.float32(1.0) / d, np.float32(0.0)).astype(np.float32)
+    q = np.rint(blocks * inv[:, :, None]).astype(np.int8)
+    return q.reshape(x.shape), d
+
+
+def matmul_int8(qtype: int, data: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """float64 (B, N): the weight dequantized as in `matmul`, times x after `quantize_rows_q8`."""
+    q, d = quantize_rows_q8(x)
+    xq = (q.reshape(q.shape[0], -1, 32).astype(np.float64) * d[:, :, None]).reshape(q.shape)
+    return xq @ dequantize(qtype, data).astype(np.float64).T
