@@ -5,7 +5,8 @@ Each arithmetic of the cpu backend against the implementation that computes the 
   every prompt position cosine similarity >= 0.999 and the same argmax;
 - int8 path (the default where the CPU has the instructions: activations rounded to 8-bit blocks before
   each Q4_1 / Q8_0 matmul, as llama.cpp does) against llama.cpp's logits: cosine >= 0.99 at every position
-  (the two differ in how the block scales are stored and summed), and still transformers' argmax everywhere.
+  (the two differ in how the block scales are stored and summed), and the argmax of one of the two
+  references at every position (they disagree at 2 near-tie positions).
 Both paths: 32 greedy tokens identical to transformers' and to llama.cpp's.
 """
 
@@ -63,7 +64,15 @@ def test_logits_at_every_position(served, golden) -> None:
     cos = (ours * ref).sum(1) / np.linalg.norm(ours, axis=1) / np.linalg.norm(ref, axis=1)
     bar = 0.99 if int8 else 0.999
     assert cos.min() >= bar, f"min cosine {cos.min():.5f} at position {int(cos.argmin())}"
-    assert np.array_equal(ours.argmax(1), golden["argmax"])
+    if not int8:
+        assert np.array_equal(ours.argmax(1), golden["argmax"])
+    else:
+        # Where the two references disagree (near-ties: at position 41 the int8 top two are 0.0017 apart),
+        # either one's argmax is right; everywhere else they agree and so must we.
+        top = ours.argmax(1)
+        wrong = np.nonzero((top != golden["argmax"]) & (top != golden["llama_argmax"]))[0]
+        assert wrong.size == 0, f"argmax differs from both references at positions {wrong.tolist()}"
+        assert (golden["argmax"] != golden["llama_argmax"]).sum() <= 3
 
 
 def test_logits_are_the_same_when_prefilled_in_chunks(served, golden) -> None:
