@@ -151,6 +151,8 @@ JSON_CASES = [
     Case("json_that_is_not_a_call", "json",
          'Here is the config:\n```json\n{"name": "demo", "version": 2}\n```\nand inline {"name": "read"} too.',
          'Here is the config:\n```json\n{"name": "demo", "version": 2}\n```\nand inline {"name": "read"} too.'),
+    Case("json_whose_name_is_a_list", "json",  # not a call (and once crashed: a list is unhashable)
+         '```json\n{"name": ["read"], "version": 2}\n```', '```json\n{"name": ["read"], "version": 2}\n```'),
     Case("unknown_and_unfinished", "json",
          '```json\n{"name": "delete", "arguments": {}}\n```\n'
          '{"name": "write", "arguments": {"path": "x", "content": "unte',

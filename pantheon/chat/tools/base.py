@@ -329,6 +329,46 @@ class ToolCallParser(ABC):
         self._after_call = True
 
 
+class StateParser(ToolCallParser):
+    """A parser written as a state machine: `_state` names the method, `_in_<state>`, that takes the next step.
+
+    Every dialect starts in "text"; `_CALL_STATES` are the states in which the output ending leaves a call
+    unfinished (the others are text, or a failed call being dropped).
+    """
+
+    _CALL_STATES: ClassVar[frozenset[str]]
+
+    def __init__(self, tools: list[ToolSpec]) -> None:
+        super().__init__(tools)
+        self._state = "text"
+
+    def _step(self, final: bool) -> bool:
+        return getattr(self, "_in_" + self._state)(final)
+
+    def _finish_call(self) -> None:
+        if self._state in self._CALL_STATES:
+            where = f" in parameter {self._key!r}" if self._key is not None else ""
+            self._fail("unfinished_tool_call", f"the output ended inside a tool call{where}",
+                       function=self._unfinished_function())
+        self._state = "text"
+        self._buf = ""
+
+    def _unfinished_function(self) -> str | None:
+        """The function an unfinished call names; None stands for the one its CallStart named (if any)."""
+        return None
+
+    def _skip_past(self, closers: tuple[str, ...]) -> str | None:
+        """Drop text through the first of `closers` and return it; None when none is in the buffer yet (all
+        of it is dropped but a tail that could begin one)."""
+        hit = find_first(self._buf, closers)
+        if hit is None:
+            self._consume(len(self._buf) - partial_suffix(self._buf, closers))
+            return None
+        i, closer = hit
+        self._consume(i + len(closer))
+        return closer
+
+
 class Dialect(ABC):
     """One tool-call dialect: prompt rendering, call parsing, and the texts a grammar or a serve needs."""
 
@@ -342,10 +382,17 @@ class Dialect(ABC):
     def render_system(self, tools: list[ToolSpec], system: str | None) -> str:
         """The offered tools in the model's idiom, after the leading system message's text (if any)."""
 
-    @abstractmethod
     def render_assistant(self, content: str, tool_calls: list[dict]) -> str:
         """An earlier assistant turn as the raw text the model would have written: content, then the calls.
         Arguments that are not valid JSON are written as they are."""
+        calls = "\n".join(self.render_call(call) for call in tool_calls)
+        if not calls:
+            return content
+        return f"{content}\n\n{calls}" if content and content.strip() else calls
+
+    @abstractmethod
+    def render_call(self, call: dict) -> str:
+        """One OpenAI tool_calls entry as the text the model writes for it (never empty)."""
 
     def render_tool_result(self, content: str, tool_call_id: str | None, name: str | None) -> tuple[str, str]:
         """(role, content) of a tool result for the chat template. Results are user turns wrapped in
@@ -402,6 +449,15 @@ def call_parts(call: dict) -> tuple[str, Any, str]:
     except ValueError:
         return name, None, raw
     return name, value if isinstance(value, dict) else None, raw
+
+
+def json_tool_listing(tools: list[ToolSpec]) -> str:
+    """The offered tools as JSON objects (name, description, parameters schema), one a line."""
+    return "\n".join(
+        json.dumps({"name": t.name, "description": t.description, "parameters": prompt_schema(t.parameters)},
+                   ensure_ascii=False)
+        for t in tools
+    )
 
 
 def join_system(system: str | None, tools_text: str) -> str:

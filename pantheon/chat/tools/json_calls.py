@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from pantheon.chat.tools.arguments import loads_forgiving, type_arguments
-from pantheon.chat.tools.base import (Dialect, ToolCallParser, ToolSpec, call_parts, find_first, join_system,
-                                      partial_suffix, prompt_schema)
+from pantheon.chat.tools.base import (Dialect, StateParser, ToolCallParser, ToolSpec, call_parts, find_first,
+                                      join_system, json_tool_listing, partial_suffix)
 
 FENCE = "```"
 OPEN_WRAPPER = "<tool_call>"
@@ -158,10 +158,15 @@ def emit_json_calls(parser: ToolCallParser, text: str) -> None:
     try:
         value = loads_forgiving(text)
     except ValueError:
-        match = _NAME_IN_TEXT.search(text)
-        parser._fail("malformed_tool_call", "the call is not valid JSON", function=match.group(1) if match else None)
+        parser._fail("malformed_tool_call", "the call is not valid JSON", function=_function_named_in(text))
         return
     emit_json_value(parser, value)
+
+
+def _function_named_in(text: str) -> str | None:
+    """The function a call's JSON text names, found by pattern (the text does not parse, or not yet)."""
+    match = _NAME_IN_TEXT.search(text)
+    return match.group(1) if match else None
 
 
 def _looks_like_call(value: Any, tools: dict[str, ToolSpec]) -> bool:
@@ -170,21 +175,21 @@ def _looks_like_call(value: Any, tools: dict[str, ToolSpec]) -> bool:
     if not isinstance(value, dict):
         return False
     name = value.get("name", value.get("function"))
-    return isinstance(name, dict) or name in tools or "arguments" in value or "parameters" in value
+    # A name of any JSON type may come from the model: only a string can name a tool (a list is unhashable).
+    named_tool = isinstance(name, str) and name in tools
+    return isinstance(name, dict) or named_tool or "arguments" in value or "parameters" in value
 
 
-class JsonCallParser(ToolCallParser):
+class JsonCallParser(StateParser):
+    _CALL_STATES = frozenset({"value"})
+
     def __init__(self, tools: list[ToolSpec]) -> None:
         super().__init__(tools)
-        self._state = "text"
         self._line_start = True  # the text passed on so far ends at the start of a line
         self._scanner = JsonValueScanner()
         self._head = ""  # the text between the trigger and the value, given back if it is not a call
         self._closer: str | None = None
         self._calls_in_block = 0
-
-    def _step(self, final: bool) -> bool:
-        return getattr(self, "_in_" + self._state)(final)
 
     def _in_text(self, final: bool) -> bool:
         buf = self._buf
@@ -253,11 +258,8 @@ class JsonCallParser(ToolCallParser):
 
     def _in_skip(self, final: bool) -> bool:
         assert self._closer is not None
-        i = self._buf.find(self._closer)
-        if i < 0:
-            self._consume(len(self._buf) - partial_suffix(self._buf, (self._closer,)))
+        if self._skip_past((self._closer,)) is None:
             return False
-        self._consume(i + len(self._closer))
         self._state = "text"
         return True
 
@@ -274,13 +276,8 @@ class JsonCallParser(ToolCallParser):
         self._line_start = (j >= 0 or self._line_start) and not text[j + 1:].strip(" \t")
         self._text(text)
 
-    def _finish_call(self) -> None:
-        if self._state == "value":
-            match = _NAME_IN_TEXT.search(self._scanner.text)
-            self._fail("unfinished_tool_call", "the output ended inside a tool call",
-                       function=match.group(1) if match else None)
-        self._state = "text"
-        self._buf = ""
+    def _unfinished_function(self) -> str | None:
+        return _function_named_in(self._scanner.text)
 
 
 class JsonCalls(Dialect):
@@ -291,33 +288,22 @@ class JsonCalls(Dialect):
         return JsonCallParser(tools)
 
     def render_system(self, tools: list[ToolSpec], system: str | None) -> str:
-        listing = "\n".join(
-            json.dumps({"name": t.name, "description": t.description, "parameters": prompt_schema(t.parameters)},
-                       ensure_ascii=False)
-            for t in tools
-        )
         text = (
             "# Tools\n\n"
             "You can call the functions below when they help with the request. Each is a JSON object giving "
             "its name, what it does, and a JSON Schema of its arguments.\n\n"
-            f"<tools>\n{listing}\n</tools>\n\n"
+            f"<tools>\n{json_tool_listing(tools)}\n</tools>\n\n"
             "To call a function, write one JSON object per call in a json code block:\n\n"
             '```json\n{"name": "function_name", "arguments": {"parameter_name": "value"}}\n```\n\n'
             "Any words for the user come before the calls. When no function fits, answer normally."
         )
         return join_system(system, text)
 
-    def render_assistant(self, content: str, tool_calls: list[dict]) -> str:
-        blocks = []
-        for call in tool_calls:
-            name, args, raw = call_parts(call)
-            arguments = json.dumps(args, ensure_ascii=False) if args is not None else raw
-            head = f'{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": '
-            blocks.append(f"{FENCE}json\n{head}{arguments}}}\n{FENCE}")
-        if not blocks:
-            return content
-        calls = "\n".join(blocks)
-        return f"{content}\n\n{calls}" if content and content.strip() else calls
+    def render_call(self, call: dict) -> str:
+        name, args, raw = call_parts(call)
+        arguments = json.dumps(args, ensure_ascii=False) if args is not None else raw
+        head = f'{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": '
+        return f"{FENCE}json\n{head}{arguments}}}\n{FENCE}"
 
     def closing_texts(self) -> list[str]:
         return ["}\n```", "}}\n```", "\n```", "}", "}}"]

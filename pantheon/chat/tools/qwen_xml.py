@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import json
 
-from pantheon.chat.tools.base import (Dialect, ToolCallParser, ToolSpec, call_parts, find_first, join_system,
-                                      partial_suffix, prompt_schema)
+from pantheon.chat.tools.base import Dialect, ToolCallParser, ToolSpec, call_parts, join_system, prompt_schema
 from pantheon.chat.tools.json_calls import JsonValueScanner, emit_json_calls
+from pantheon.chat.tools.xml_calls import XmlCallParser
 
 OPEN_CALL = "<tool_call>"
 CLOSE_CALL = "</tool_call>"
@@ -29,107 +29,69 @@ CLOSE_FUNCTION = "</function>"
 OPEN_PARAMETER = "<parameter="
 CLOSE_PARAMETER = "</parameter>"
 
-_TEXT_MARKERS = (OPEN_CALL, OPEN_FUNCTION, CLOSE_CALL, CLOSE_FUNCTION, CLOSE_PARAMETER)  # stray closers: dropped
 _MAX_NAME = 256
 
 
-class QwenXmlParser(ToolCallParser):
+class QwenXmlParser(XmlCallParser):
+    _CALL_STATES = frozenset({"head", "name", "body", "key", "newline", "value", "json"})
+    _TEXT_MARKERS = (OPEN_CALL, OPEN_FUNCTION, CLOSE_CALL, CLOSE_FUNCTION, CLOSE_PARAMETER)  # stray closers: dropped
+    _OPENERS = {OPEN_CALL: "head", OPEN_FUNCTION: "name"}  # a bare <function= after prose: <tool_call> was dropped
+    _CALL_TAG = "<function={}>"
+    _OPEN_PARAMETER = OPEN_PARAMETER
+    _CALL_CLOSERS = {
+        CLOSE_FUNCTION: "after",
+        CLOSE_CALL: "text",  # </function> was dropped; the call is plainly over
+    }
+    _CLOSE_PARAMETER = CLOSE_PARAMETER
+    _VALUE_ON_OWN_LINE = True
+    _SKIP_TO = {CLOSE_FUNCTION: "after", CLOSE_CALL: "text"}
+
     def __init__(self, tools: list[ToolSpec]) -> None:
         super().__init__(tools)
-        self._state = "text"
         self._json: JsonValueScanner | None = None  # a JSON body inside <tool_call>
-
-    def _step(self, final: bool) -> bool:
-        return getattr(self, "_in_" + self._state)(final)
-
-    def _in_text(self, final: bool) -> bool:
-        hit = find_first(self._buf, _TEXT_MARKERS)
-        if hit is None:
-            keep = 0 if final else partial_suffix(self._buf, _TEXT_MARKERS)
-            if len(self._buf) > keep:
-                self._text(self._consume(len(self._buf) - keep))
-            return False
-        i, marker = hit
-        self._text(self._consume(i))
-        self._consume(len(marker))
-        if marker in (OPEN_CALL, OPEN_FUNCTION):
-            self._open_call()
-            self._state = "head" if marker == OPEN_CALL else "name"
-        return True
 
     def _in_head(self, final: bool) -> bool:
         """After <tool_call>: <function=NAME> (or a JSON object) follows."""
         rest = self._skip_whitespace()
         if not rest:
             return False
-        if rest.startswith(OPEN_FUNCTION):
-            self._consume(len(OPEN_FUNCTION))
-            self._state = "name"
-        elif rest.startswith(("{", "[")):
+        if rest.startswith(("{", "[")):
             self._json = JsonValueScanner()
             self._state = "json"
-        elif rest.startswith(CLOSE_CALL):
-            self._consume(len(CLOSE_CALL))
+            return True
+        marker = self._take_marker(final, (OPEN_FUNCTION, CLOSE_CALL))
+        if marker is None:
+            return False
+        if marker == OPEN_FUNCTION:
+            self._state = "name"
+        elif marker == CLOSE_CALL:
             self._fail("malformed_tool_call", "an empty <tool_call> block")
             self._state = "text"
-        elif not final and (OPEN_FUNCTION.startswith(rest) or CLOSE_CALL.startswith(rest)):
-            return False
         else:
             self._fail("malformed_tool_call", "<tool_call> is not followed by <function=NAME>")
             self._state = "skip"
         return True
 
     def _in_name(self, final: bool) -> bool:
-        i = self._buf.find(">")
-        if i < 0:
-            if len(self._buf) > _MAX_NAME or "\n" in self._buf:
-                self._fail("malformed_tool_call", "<function= is not closed by '>'")
-                self._state = "skip"
-                return True
-            return False
-        name = self._consume(i + 1)[:-1].strip().strip("\"'")
-        if name not in self._tools:
-            self._fail("unknown_function", f"the model called {name!r}, which is not an offered tool", function=name)
-            self._state = "skip"
-            return True
-        self._start_call(name)
-        self._state = "body"
-        return True
-
-    def _in_body(self, final: bool) -> bool:
-        """Inside <function=...>: parameters, then </function>."""
-        rest = self._skip_whitespace()
-        if not rest:
-            return False
-        if rest.startswith(OPEN_PARAMETER):
-            self._consume(len(OPEN_PARAMETER))
-            self._state = "key"
-        elif rest.startswith(CLOSE_FUNCTION):
-            self._consume(len(CLOSE_FUNCTION))
-            self._end_call()
-            self._state = "after"
-        elif rest.startswith(CLOSE_CALL):  # </function> was dropped; the call is plainly over
-            self._consume(len(CLOSE_CALL))
-            self._end_call()
-            self._state = "text"
-        elif not final and any(m.startswith(rest) for m in (OPEN_PARAMETER, CLOSE_FUNCTION, CLOSE_CALL)):
-            return False
-        else:
-            self._fail("malformed_tool_call", f"unexpected text inside <function={self._name}>")
-            self._state = "skip"
+        name = self._tag_name(OPEN_FUNCTION)
+        if name is None:
+            return self._state == "skip"
+        self._call_named(name)
         return True
 
     def _in_key(self, final: bool) -> bool:
-        i = self._buf.find(">")
-        if i < 0:
-            if len(self._buf) > _MAX_NAME or "\n" in self._buf:
-                self._fail("malformed_tool_call", "<parameter= is not closed by '>'")
-                self._state = "skip"
-                return True
-            return False
-        self._begin_value(self._consume(i + 1)[:-1].strip().strip("\"'"))
+        key = self._tag_name(OPEN_PARAMETER)
+        if key is None:
+            return self._state == "skip"
+        self._begin_value(key)
         self._state = "newline"
         return True
+
+    def _tag_name(self, opener: str) -> str | None:
+        """The NAME of `<function=NAME>` or `<parameter=NAME>` (quotes forgiven), read through the '>'. None while
+        the '>' is still to come, or when the line ended first: then the call failed and is being skipped."""
+        text = self._tag_text(f"{opener} is not closed by '>'", _MAX_NAME, one_line=True)
+        return None if text is None else text.strip().strip("\"'")
 
     def _in_newline(self, final: bool) -> bool:
         """The value starts on the line after <parameter=KEY>; that one newline is not part of it."""
@@ -140,32 +102,11 @@ class QwenXmlParser(ToolCallParser):
         self._state = "value"
         return True
 
-    def _in_value(self, final: bool) -> bool:
-        if not self._read_value_until(CLOSE_PARAMETER, strip_newline=True):
-            return False
-        self._end_value()
-        self._state = "body"
-        return True
-
     def _in_after(self, final: bool) -> bool:
         """After </function>: </tool_call>, which a model may leave out."""
-        rest = self._skip_whitespace()
-        if rest.startswith(CLOSE_CALL):
-            self._consume(len(CLOSE_CALL))
-        elif not final and CLOSE_CALL.startswith(rest):
+        if self._take_marker(final, (CLOSE_CALL,)) is None:
             return False
         self._state = "text"
-        return True
-
-    def _in_skip(self, final: bool) -> bool:
-        """A failed call: drop its text up to the end of the call."""
-        hit = find_first(self._buf, (CLOSE_FUNCTION, CLOSE_CALL))
-        if hit is None:
-            self._consume(len(self._buf) - partial_suffix(self._buf, (CLOSE_FUNCTION, CLOSE_CALL)))
-            return False
-        i, marker = hit
-        self._consume(i + len(marker))
-        self._state = "after" if marker == CLOSE_FUNCTION else "text"
         return True
 
     def _in_json(self, final: bool) -> bool:
@@ -177,18 +118,6 @@ class QwenXmlParser(ToolCallParser):
         self._json = None
         self._state = "after"
         return True
-
-    def _skip_whitespace(self) -> str:
-        rest = self._buf.lstrip()
-        self._consume(len(self._buf) - len(rest))
-        return rest
-
-    def _finish_call(self) -> None:
-        if self._state in ("head", "name", "body", "key", "newline", "value", "json"):
-            where = f" in parameter {self._key!r}" if self._key is not None else ""
-            self._fail("unfinished_tool_call", f"the output ended inside a tool call{where}")
-        self._state = "text"
-        self._buf = ""
 
 
 class QwenXml(Dialect):
@@ -216,11 +145,17 @@ class QwenXml(Dialect):
         )
         return join_system(system, text)
 
-    def render_assistant(self, content: str, tool_calls: list[dict]) -> str:
-        calls = "\n".join(_render_call(c) for c in tool_calls)
-        if not calls:
-            return content
-        return f"{content}\n\n{calls}" if content and content.strip() else calls
+    def render_call(self, call: dict) -> str:
+        name, args, raw = call_parts(call)
+        lines = [OPEN_CALL, f"{OPEN_FUNCTION}{name}>"]
+        if args is None:
+            lines.append(raw)
+        else:
+            for key, value in args.items():
+                text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+                lines += [f"{OPEN_PARAMETER}{key}>", text, CLOSE_PARAMETER]
+        lines += [CLOSE_FUNCTION, CLOSE_CALL]
+        return "\n".join(lines)
 
     def closing_texts(self) -> list[str]:
         return [
@@ -258,17 +193,4 @@ def _render_tool(tool: ToolSpec) -> str:
     if params.get("required"):
         lines.append(f"<required>{json.dumps(params['required'], ensure_ascii=False)}</required>")
     lines += ["</parameters>", "</function>"]
-    return "\n".join(lines)
-
-
-def _render_call(call: dict) -> str:
-    name, args, raw = call_parts(call)
-    lines = [OPEN_CALL, f"{OPEN_FUNCTION}{name}>"]
-    if args is None:
-        lines.append(raw)
-    else:
-        for key, value in args.items():
-            text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
-            lines += [f"{OPEN_PARAMETER}{key}>", text, CLOSE_PARAMETER]
-    lines += [CLOSE_FUNCTION, CLOSE_CALL]
     return "\n".join(lines)
