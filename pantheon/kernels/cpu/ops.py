@@ -172,17 +172,21 @@ def add_rmsnorm(
 # --- rope ----------------------------------------------------------------------------------------------
 
 
-@_njit
+# No fast-math flags on the rope kernels: with them, the same kernel computed different bits freshly compiled
+# and loaded from numba's on-disk cache (measured: the parallel one even with the helper inlined), so a
+# server's numbers changed between its first start and its restarts. tests/kernels/test_ops.py checks
+# fresh == cached for every op in child processes.
+@numba.njit(cache=True, nogil=True, error_model="numpy", inline="always")
 def _rope_token(x, positions, n_rot, freq_base, neox, freq_scale, cos_row, sin_row, t):
     half = n_rot // 2
     # Angles and their sin/cos are computed in float64: at position 5000 a float32 angle is off by ~3e-4 rad,
     # which would show as a 3e-4 relative error in q and k. They are shared by all heads of the token.
-    theta = np.float64(positions[t]) * freq_scale
-    step = freq_base ** (-2.0 / n_rot)
+    # Each angle straight from its exponent: no rounding accumulates along the pairs.
+    base = np.float64(positions[t]) * freq_scale
     for i in range(half):
+        theta = base * freq_base ** (-2.0 * i / n_rot)
         cos_row[i] = np.float32(np.cos(theta))
         sin_row[i] = np.float32(np.sin(theta))
-        theta *= step
     for h in range(x.shape[1]):
         head = x[t, h]
         if neox:
@@ -199,7 +203,7 @@ def _rope_token(x, positions, n_rot, freq_base, neox, freq_scale, cos_row, sin_r
                 head[2 * i + 1] = a * sin_row[i] + b * cos_row[i]
 
 
-@_njit
+@numba.njit(cache=True, nogil=True, error_model="numpy")
 def _rope_serial(x, positions, n_rot, freq_base, neox, freq_scale):
     cos_row = np.empty(n_rot // 2, dtype=np.float32)
     sin_row = np.empty(n_rot // 2, dtype=np.float32)
@@ -207,7 +211,7 @@ def _rope_serial(x, positions, n_rot, freq_base, neox, freq_scale):
         _rope_token(x, positions, n_rot, freq_base, neox, freq_scale, cos_row, sin_row, t)
 
 
-@_njit_parallel
+@numba.njit(cache=True, nogil=True, error_model="numpy", parallel=True)
 def _rope_parallel(x, positions, n_rot, freq_base, neox, freq_scale):
     cos_table = np.empty((x.shape[0], n_rot // 2), dtype=np.float32)
     sin_table = np.empty((x.shape[0], n_rot // 2), dtype=np.float32)
