@@ -493,7 +493,9 @@ def test_estimate_arithmetic(server: ServerProcess) -> None:
     r = estimate(server, "tokens=10&name=no-such-model")
     assert r.status_code == 200, r.text
     assert r.json()["model"] == ""
-    for query in ("", "tokens=0", "tokens=-3", "name=" + MODEL, "tokens=abc"):
+    for query in ("", "tokens=0", "tokens=-3", "name=" + MODEL, "tokens=abc", "tokens=99999999999999999999999",
+                  "tokens=100&blob_bytes=1e300", "tokens=100&blob_bytes=inf", "tokens=100&upload_bps=nan",
+                  "tokens=100&upload_bps=inf"):
         assert_error(estimate(server, query), 400, "invalid_request_error")
 
 

@@ -300,7 +300,7 @@ async def stream(completion: Completion) -> AsyncIterator[dict[str, Any]]:
     async def run(i: int) -> None:
         send = buffers[i][0]
         async with send:
-            send.send_nowait(_chunk(completion, [{"index": i, "delta": {"role": "assistant", "content": ""},
+            send.send_nowait(_chunk(completion, [{"index": i, "delta": {"role": "assistant"},
                                                   "finish_reason": None}]))
 
             async def on_delta(delta: Delta) -> None:

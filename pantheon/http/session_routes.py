@@ -93,6 +93,11 @@ def _query(scope: dict[str, Any]) -> dict[str, str]:
     return {k: v[-1] for k, v in urllib.parse.parse_qs(raw, keep_blank_values=True).items()}
 
 
+# Bound on the numbers /session/estimate takes: the estimates it returns (integers, seconds) stay finite and
+# fit JSON's 64-bit integers; no real session comes near it.
+_MAX_QUERY_NUMBER = 1e15
+
+
 def _positive_number(query: dict[str, str], key: str) -> float | None:
     if key not in query:
         return None
@@ -100,8 +105,8 @@ def _positive_number(query: dict[str, str], key: str) -> float | None:
         value = float(query[key])
     except ValueError:
         raise invalid_request(f"'{key}' must be a number") from None
-    if not value > 0:
-        raise invalid_request(f"'{key}' must be positive")
+    if not 0 < value <= _MAX_QUERY_NUMBER:  # also refuses inf and nan
+        raise invalid_request(f"'{key}' must be a positive number up to {_MAX_QUERY_NUMBER:.0e}")
     return value
 
 
@@ -113,8 +118,8 @@ async def estimate(registry: Registry, scope: dict[str, Any], receive: Receive, 
         tokens = int(query["tokens"])
     except ValueError:
         raise invalid_request("'tokens' must be a positive integer") from None
-    if tokens <= 0:
-        raise invalid_request("'tokens' must be a positive integer")
+    if not 0 < tokens <= _MAX_QUERY_NUMBER:  # the reply's JSON integers must fit in 64 bits
+        raise invalid_request(f"'tokens' must be a positive integer up to {_MAX_QUERY_NUMBER:.0e}")
     blob_bytes = _positive_number(query, "blob_bytes")
     upload_bps = _positive_number(query, "upload_bps") or DEFAULT_UPLOAD_BPS
     instance = registry.find(query.get("name")) if registry.instances else None

@@ -65,8 +65,8 @@ class Registry:
         else:
             candidates = [i for i in serving if i.name == model]
             if not candidates:
-                raise ApiError(404, "model_not_found",
-                               f"model {model!r} is not loaded; loaded: {', '.join(self.names())}")
+                asked = "no model was named" if model is None else f"model {model!r} is not loaded"
+                raise ApiError(404, "model_not_found", f"{asked}; loaded: {', '.join(self.names())}")
         return self.pick(candidates)
 
     @staticmethod

@@ -5,11 +5,18 @@ second loads them from the cache: the lines must be equal."""
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 
 import numpy as np
 
+from pantheon.io.gguf_file import open_gguf
 from pantheon.kernels.cpu import int8dot, ops, quant
+from pantheon.kernels.cpu.backend import CpuBackend
 from pantheon.kernels.reference import quant as reference
+from pantheon.models.base import BatchRow
+from pantheon.models.registry import load_model
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "qwen35"
 
 
 def digest(a: np.ndarray) -> str:
@@ -39,6 +46,14 @@ def main() -> None:
         out[f"matmul{qtype}"] = digest(quant.matmul(weight, xs))
         if int8dot.INT8_ISA is not None and qtype in int8dot.INT8_TYPES:
             out[f"int8_{qtype}"] = digest(quant.matmul(weight, xs, int8=True))
+    # The hybrid models' kernels (conv, delta rule chunked and recurrent, gated norm, MoE) through whole forwards.
+    for name in ("qwen35", "qwen35moe"):
+        model = load_model(open_gguf(FIXTURES / f"{name}.gguf", None), CpuBackend())
+        state = model.new_state(1, 64)
+        tokens = (np.arange(40, dtype=np.int32) * 7) % 200
+        prefill = model.forward(state, [BatchRow(0, tokens, 0, "all")])
+        decode = model.forward(state, [BatchRow(0, np.array([5], np.int32), 40)])
+        out[name] = digest(prefill) + digest(decode)
     print(" ".join(f"{name}={value}" for name, value in out.items()))
 
 
