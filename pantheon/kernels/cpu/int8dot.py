@@ -7,12 +7,12 @@ block in float32. One VNNI instruction (`vpdpbusd`) does a block's 32 products a
 `quant.py` needs two FMAs per 16 products plus the conversion of every weight to float32 first.
 
 Numba compiles without LLVM's SLP vectorizer and types integer arithmetic as int64, so these loops cannot be
-written as numba Python and vectorize. `_row_dot` is therefore an intrinsic that emits the whole loop over a
-row's blocks as LLVM IR on 256-bit vectors, keeping the per-block float32 partial sums in one vector register
-and reducing it once at the end of the row. The instruction set is fixed when this module is imported
-(`INT8_ISA`): VNNI where the CPU has it (AVX512-VNNI with VL, or AVX-VNNI), else AVX2's `vpmaddubsw` +
-`vpmaddwd` (exact here: a pair of products is at most 2 * 255 * 127 < 32767), else None and the float path is
-used. Numba's on-disk cache is keyed by CPU name and features, so a cached kernel never runs on a CPU that
+written as numba Python and vectorize. `_make_row_dot` therefore builds intrinsics that emit the whole loop
+over a row's blocks as LLVM IR on 256-bit vectors, keeping the per-block float32 partial sums in vector
+registers and reducing them once at the end of the row. The instruction set is fixed when this module is
+imported (`INT8_ISA`): VNNI where the CPU has it (AVX512-VNNI with VL — the path tested here, on Zen 4 — or
+AVX-VNNI, not tried), else AVX2's `vpmaddubsw` + `vpmaddwd` (exact here: the unsigned operand is at most 128,
+so a pair of products is at most 2 * 128 * 127 < 32767), else None and the float path is used. Numba's on-disk cache is keyed by CPU name and features, so a cached kernel never runs on a CPU that
 lacks its instructions.
 
 Per block (the m term of Q4_1 uses the activation block's sum, precomputed by `quantize_rows`):
@@ -22,6 +22,8 @@ Per block (the m term of Q4_1 uses the activation block's sum, precomputed by `q
 
 from __future__ import annotations
 
+from typing import Any
+
 import llvmlite.binding as llvm_binding
 import numba
 import numpy as np
@@ -30,7 +32,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-__all__ = ["INT8_ISA", "INT8_TYPES", "quantize_rows", "row_dot"]
+__all__ = ["INT8_ISA", "INT8_TYPES", "matmul", "quantize_rows"]
 
 Q4_1, Q8_0 = 3, 8
 INT8_TYPES: frozenset[int] = frozenset({Q4_1, Q8_0})
@@ -87,7 +89,7 @@ def _fma(builder: ir.IRBuilder, a: ir.Value, b: ir.Value, c: ir.Value) -> ir.Val
     return _call(builder, f"llvm.fma.{suffix}", a.type, [a, b, c])
 
 
-def _make_row_dot(q4: bool, n_x: int):
+def _make_row_dot(q4: bool, n_x: int) -> Any:
     """An intrinsic (wrow, xq, xd, xs, b, out, n) that sets out[b + r, n] for r < n_x to the dot product of one
     weight row (its raw Q4_1 or Q8_0 bytes) with activation row b + r as quantized by `quantize_rows`.
 
