@@ -11,9 +11,20 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from pantheon.errors import ModelLoadError
 from pantheon.io.gguf_file import GGUFFile
 
 Array = Any  # numpy.ndarray on cpu, a device array on cuda
+
+
+def checked_row_run(rows: np.ndarray, n_rows: int) -> tuple[np.ndarray, int | None]:
+    """For `weight_rows`: the row ids as int64, checked against a matrix of `n_rows` rows, and the first id
+    when they are one ascending run (the selection is then a view), else None (a copy is needed)."""
+    rows = np.asarray(rows, dtype=np.int64)
+    if rows.ndim != 1 or not len(rows) or rows.min() < 0 or rows.max() >= n_rows:
+        raise ModelLoadError(f"row selection outside a weight of {n_rows} rows")
+    start = int(rows[0])
+    return rows, start if np.array_equal(rows, np.arange(start, start + len(rows))) else None
 
 
 class Backend(Protocol):

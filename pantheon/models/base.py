@@ -7,6 +7,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from pantheon.errors import ModelLoadError
+
 
 @dataclass(frozen=True)
 class BatchRow:
@@ -22,6 +24,24 @@ class BatchRow:
     tokens: np.ndarray  # int32 (n,)
     start_pos: int
     logits: str = "last"
+
+
+class ArchMetadata:
+    """The `<arch>.*` keys of a GGUF's metadata, read the way every architecture's config needs them."""
+
+    def __init__(self, meta: dict[str, Any], arch: str) -> None:
+        self.meta, self.arch = meta, arch
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """`<arch>.<key>`, else `default`; neither -> a load error naming the key."""
+        value = self.meta.get(f"{self.arch}.{key}", default)
+        if value is None:
+            raise ModelLoadError(f"GGUF metadata lacks {self.arch}.{key}")
+        return value
+
+    def vocab_size(self) -> int:
+        """`<arch>.vocab_size`, else the length of the tokenizer's token list."""
+        return int(self.meta.get(f"{self.arch}.vocab_size") or len(self.meta.get("tokenizer.ggml.tokens", [])))
 
 
 def output_logits(backend: Any, output: Any, h: Any, batch: list[BatchRow], offsets: Any, vocab_size: int) -> np.ndarray:

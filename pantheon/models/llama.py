@@ -15,7 +15,7 @@ import numpy as np
 
 from pantheon.errors import ModelLoadError
 from pantheon.io.gguf_file import GGUFFile
-from pantheon.models.base import BatchRow, output_logits
+from pantheon.models.base import ArchMetadata, BatchRow, output_logits
 
 
 @dataclass(frozen=True)
@@ -35,16 +35,12 @@ class LlamaConfig:
 
     @classmethod
     def from_metadata(cls, meta: dict[str, Any], arch: str = "llama") -> "LlamaConfig":
-        def get(key: str, default: Any = None) -> Any:
-            value = meta.get(f"{arch}.{key}", default)
-            if value is None:
-                raise ModelLoadError(f"GGUF metadata lacks {arch}.{key}")
-            return value
+        md = ArchMetadata(meta, arch)
+        get = md.get
 
         d_model = int(get("embedding_length"))
         n_heads = int(get("attention.head_count"))
         head_dim = int(get("attention.key_length", d_model // n_heads))
-        vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens", []))
         scale = meta.get(f"{arch}.rope.scaling.factor") if meta.get(f"{arch}.rope.scaling.type") == "linear" else None
         return cls(
             n_layers=int(get("block_count")),
@@ -53,7 +49,7 @@ class LlamaConfig:
             n_kv_heads=int(get("attention.head_count_kv", n_heads)),
             head_dim=head_dim,
             ffn_dim=int(get("feed_forward_length")),
-            vocab_size=int(vocab),
+            vocab_size=md.vocab_size(),
             context_length=int(get("context_length", 4096)),
             rope_dim=int(get("rope.dimension_count", head_dim)),
             rope_base=float(get("rope.freq_base", 10000.0)),

@@ -35,7 +35,7 @@ import numpy as np
 
 from pantheon.errors import ModelLoadError
 from pantheon.io.gguf_file import GGUFFile
-from pantheon.models.base import BatchRow, output_logits
+from pantheon.models.base import ArchMetadata, BatchRow, output_logits
 
 ARCHITECTURES = ("qwen35", "qwen35moe", "qwen3next")
 
@@ -86,11 +86,8 @@ class Qwen35Config:
 
     @classmethod
     def from_metadata(cls, meta: dict[str, Any], arch: str) -> "Qwen35Config":
-        def get(key: str, default: Any = None) -> Any:
-            value = meta.get(f"{arch}.{key}", default)
-            if value is None:
-                raise ModelLoadError(f"GGUF metadata lacks {arch}.{key}")
-            return value
+        md = ArchMetadata(meta, arch)
+        get = md.get
 
         block_count = int(get("block_count"))
         n_layers = block_count - int(get("nextn_predict_layers", 0))
@@ -116,7 +113,6 @@ class Qwen35Config:
         ffn_dim = int(meta.get(f"{arch}.feed_forward_length", 0) or 0)
         n_experts = int(meta.get(f"{arch}.expert_count", 0) or 0)
         n_used = int(meta.get(f"{arch}.expert_used_count", 0) or 0)
-        vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens", []))
         return cls(
             architecture=arch,
             n_layers=n_layers,
@@ -128,7 +124,7 @@ class Qwen35Config:
             rope_dim=int(get("rope.dimension_count", head_dim)),
             rope_base=float(get("rope.freq_base", 10000.0)),
             rms_eps=float(get("attention.layer_norm_rms_epsilon")),
-            vocab_size=int(vocab),
+            vocab_size=md.vocab_size(),
             context_length=int(get("context_length", 4096)),
             conv_kernel=int(get("ssm.conv_kernel")),
             ssm_key_heads=n_key_heads,

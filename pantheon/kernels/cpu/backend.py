@@ -7,6 +7,7 @@ import numpy as np
 
 from pantheon.errors import ModelLoadError
 from pantheon.io.gguf_file import GGUFFile
+from pantheon.kernels.backend import checked_row_run
 from pantheon.kernels.cpu import int8dot, moe, ops, quant, ssm
 from pantheon.kernels.cpu.moe import ExpertWeights
 from pantheon.kernels.cpu.quant import QWeight
@@ -47,11 +48,8 @@ class CpuBackend:
     @staticmethod
     def weight_rows(w: QWeight, rows: np.ndarray) -> QWeight:
         """Rows `rows` of a matrix: a view when they are one ascending run, else a copy of those rows' blocks."""
-        rows = np.asarray(rows, dtype=np.int64)
-        if rows.ndim != 1 or not len(rows) or rows.min() < 0 or rows.max() >= w.rows:
-            raise ModelLoadError(f"row selection outside a weight of {w.rows} rows")
-        start = int(rows[0])
-        if np.array_equal(rows, np.arange(start, start + len(rows))):
+        rows, start = checked_row_run(rows, w.rows)
+        if start is not None:
             data = w.data[start : start + len(rows)]
         else:
             data = np.ascontiguousarray(w.data[rows])

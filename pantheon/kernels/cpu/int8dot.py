@@ -238,9 +238,20 @@ def _quantize_row(x, xq, xd, xs, n16):
 
 
 @numba.njit(parallel=True, **_KERNEL)
-def _quantize_rows(x, xq, xd, xs, n16):
+def _quantize_rows_parallel(x, xq, xd, xs, n16):
     for b in numba.prange(x.shape[0]):
         _quantize_row(x[b], xq[b], xd[b], xs[b], n16)
+
+
+@numba.njit(**_KERNEL)
+def _quantize_rows_serial(x, xq, xd, xs, n16):
+    for b in range(x.shape[0]):
+        _quantize_row(x[b], xq[b], xd[b], xs[b], n16)
+
+
+# Below this many values a decode batch is quantized on the calling thread: waking the pool costs more
+# than the work (one 576-wide row is ~0.2 us; five matmuls a layer, every layer, every token).
+_PARALLEL_QUANTIZE_MIN = 1 << 15
 
 
 def quantize_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -249,7 +260,8 @@ def quantize_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     xq = np.empty((batch, k_dim), dtype=np.int8)
     xd = np.empty((batch, k_dim // QK), dtype=np.float32)
     xs = np.empty((batch, k_dim // QK), dtype=np.float32)
-    _quantize_rows(x, xq, xd, xs, 16)
+    quantize = _quantize_rows_parallel if x.size >= _PARALLEL_QUANTIZE_MIN else _quantize_rows_serial
+    quantize(x, xq, xd, xs, 16)
     return xq, xd, xs
 
 

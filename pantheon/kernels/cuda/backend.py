@@ -20,6 +20,7 @@ import numpy as np
 
 from pantheon.errors import ModelLoadError
 from pantheon.io.gguf_file import GGUFFile
+from pantheon.kernels.backend import checked_row_run
 from pantheon.kernels.cpu.moe import ExpertWeights, stacked_experts
 from pantheon.kernels.cuda import moe, ops, quant, ssm
 from pantheon.kernels.cuda.dies import DieBudgetExceeded, DieManager
@@ -105,11 +106,8 @@ class CudaBackend:
     def weight_rows(self, w: CudaWeight, rows: np.ndarray) -> CudaWeight:
         """Rows `rows` of a matrix: a device view when they are one ascending run, else a device-side copy of
         those rows' blocks (charged to the die)."""
-        rows = np.asarray(rows, dtype=np.int64)
-        if rows.ndim != 1 or not len(rows) or rows.min() < 0 or rows.max() >= w.rows:
-            raise ModelLoadError(f"row selection outside a weight of {w.rows} rows")
-        start = int(rows[0])
-        if np.array_equal(rows, np.arange(start, start + len(rows))):
+        rows, start = checked_row_run(rows, w.rows)
+        if start is not None:
             data = w.data[start : start + len(rows)]
         else:
             self._charge(len(rows) * int(w.data.shape[1]), "row selection")

@@ -58,21 +58,24 @@ def _block_sum(red, value):
 # Norms.
 
 
+@cuda.jit(device=True)
+def _row_inv_rms(red, x, row, eps32):
+    """1 / rms(x[row]) (with eps), to every thread of the block that holds the row."""
+    dim = x.shape[1]
+    part = float32(0)
+    for i in range(cuda.threadIdx.x, dim, cuda.blockDim.x):
+        v = x[row, i]
+        part += v * v
+    total = _block_sum(red, part)
+    return float32(1) / math.sqrt(total / float32(dim) + eps32)
+
+
 @cuda.jit
 def _rmsnorm_kernel(x, weight, eps, out):
     red = cuda.shared.array(NORM_SHARED, float32)
-    t = cuda.threadIdx.x
-    nt = cuda.blockDim.x
-    dim = x.shape[1]
-    eps32 = float32(eps)
     for row in range(cuda.blockIdx.x, x.shape[0], cuda.gridDim.x):
-        part = float32(0)
-        for i in range(t, dim, nt):
-            v = x[row, i]
-            part += v * v
-        total = _block_sum(red, part)
-        inv_rms = float32(1) / math.sqrt(total / float32(dim) + eps32)
-        for i in range(t, dim, nt):
+        inv_rms = _row_inv_rms(red, x, row, float32(eps))
+        for i in range(cuda.threadIdx.x, x.shape[1], cuda.blockDim.x):
             out[row, i] = x[row, i] * inv_rms * weight[i]
 
 

@@ -22,7 +22,7 @@ import numpy as np
 from numba import float32, float64
 
 from pantheon.kernels.cuda.launch import GEOMETRY, NORM_SHARED, Geometry, blocks, cuda
-from pantheon.kernels.cuda.ops import _block_sum
+from pantheon.kernels.cuda.ops import _row_inv_rms
 
 MAX_KEY_DIM = 256  # dk limit of the delta rule (thread-local state column)
 
@@ -83,18 +83,9 @@ def _gdn_gates_kernel(b, alpha, a, dt_bias, g, beta):
 @cuda.jit
 def _gated_rmsnorm_kernel(x, z, weight, eps, out):
     red = cuda.shared.array(NORM_SHARED, float32)
-    t = cuda.threadIdx.x
-    nt = cuda.blockDim.x
-    dim = x.shape[1]
-    eps32 = float32(eps)
     for row in range(cuda.blockIdx.x, x.shape[0], cuda.gridDim.x):
-        part = float32(0)
-        for i in range(t, dim, nt):
-            v = x[row, i]
-            part += v * v
-        total = _block_sum(red, part)
-        inv_rms = float32(1) / math.sqrt(total / float32(dim) + eps32)
-        for i in range(t, dim, nt):
+        inv_rms = _row_inv_rms(red, x, row, float32(eps))
+        for i in range(cuda.threadIdx.x, x.shape[1], cuda.blockDim.x):
             out[row, i] = x[row, i] * inv_rms * weight[i] * _silu(z[row, i])
 
 
