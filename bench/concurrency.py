@@ -14,7 +14,8 @@ decodes exactly --tokens tokens; too short for the repetition detector). Per lev
   TTFT                    median and max over the streams, from sending the request to its first content
 
 The in-process figure decodes greedily with batch 1 straight on the model (as bench/decode.py does), same
-thread count, same prompt, with no server running. Prints a table and writes
+thread count, same prompt, with no server running. Both run the int8-activation path by default (where the CPU
+has the instructions); PANTHEON_CPU_INT8=0 measures the float32 path. Prints a table and writes
 bench/results/<date>-concurrency.json.
 """
 

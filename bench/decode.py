@@ -4,7 +4,8 @@
 
 llama.cpp runs through llama-cpp-python when it is importable (`pip install -e '.[bench]'`), with the same
 thread count, prompt tokens and greedy decoding. Prints medians and the ratio Pantheon / llama.cpp, and
-writes bench/results/<date>-decode.json. PANTHEON_CPU_INT8=1 measures the int8-activation path.
+writes bench/results/<date>-decode.json. Pantheon runs the int8-activation path by default (where the CPU has
+the instructions); PANTHEON_CPU_INT8=0 measures the float32 path.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Where a decode step's time goes: every backend op timed, per op and per matmul shape, at batch 1 and 8.
 
-    .venv/bin/python bench/step_profile.py [THREADS]           # float32 activations
-    PANTHEON_CPU_INT8=1 .venv/bin/python bench/step_profile.py   # the int8 path
+    .venv/bin/python bench/step_profile.py [THREADS]           # int8 activations (the default)
+    PANTHEON_CPU_INT8=0 .venv/bin/python bench/step_profile.py   # float32 activations
 
 Prefills 200 prompt tokens per sequence, then times 48 decode steps (the second of two rounds), so the
 context is ~250-300 tokens. "outside ops" is the step time not spent inside a backend op (Python, sampling).

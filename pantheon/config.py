@@ -66,9 +66,10 @@ class EnvKnobs:
     meminfo_path: Path = Path("/proc/meminfo")
     # Host memory that model admission may plan against; 0 = the MemAvailable reading at load time.
     host_budget_bytes: int = 0
-    # PANTHEON_CPU_INT8=1: the cpu backend multiplies Q4_1 / Q8_0 weights of llama-family models with
-    # int8-quantized activations (llama.cpp's arithmetic, ~1.7x faster decode); unset or 0: float32 (exact).
-    cpu_int8: bool = False
+    # PANTHEON_CPU_INT8 unset or 1 (the default): the cpu backend multiplies Q4_1 / Q8_0 weights of
+    # llama-family models with int8-quantized activations (llama.cpp's arithmetic, ~1.7x faster decode) where
+    # the CPU has the instructions; 0: float32 activations (exact arithmetic on the stored weights).
+    cpu_int8: bool = True
 
     @property
     def default_model_path(self) -> Path:
@@ -108,7 +109,7 @@ def read_env(environ: Mapping[str, str] | None = None) -> EnvKnobs:
         mem_poll_ms=max(50, _int_env(env, "PN_MEM_POLL_MS", 1000)),
         meminfo_path=Path(env.get("PN_MEMINFO_PATH") or "/proc/meminfo"),
         host_budget_bytes=max(0, _int_env(env, "PN_HOST_BUDGET_BYTES", 0)),
-        cpu_int8=_flag_env(env, "PANTHEON_CPU_INT8") is True,
+        cpu_int8=_flag_env(env, "PANTHEON_CPU_INT8") is not False,
     )
 
 

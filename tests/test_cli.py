@@ -1,10 +1,11 @@
-"""Command line parsing: per-model flags attach to the --model they follow."""
+"""Command line parsing: per-model flags attach to the --model they follow; environment defaults."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from pantheon import cli
+from pantheon.config import EnvKnobs, read_env
 
 
 def test_per_model_flags_attach_to_the_preceding_model() -> None:
@@ -32,3 +33,12 @@ def test_model_spec_with_and_without_name(tmp_path: Path) -> None:
     assert cli._model_spec(str(f)) == (f, "x:y")  # an existing path with ':' is a path
     assert cli._model_spec("/no/such.gguf:name") == (Path("/no/such.gguf"), "name")
     assert cli._model_spec("/no/such.gguf") == (Path("/no/such.gguf"), "such")
+
+
+def test_cpu_int8_is_the_default_and_zero_selects_float() -> None:
+    assert EnvKnobs(home=Path("/h")).cpu_int8 is True
+    assert read_env({}).cpu_int8 is True
+    assert read_env({"PANTHEON_CPU_INT8": ""}).cpu_int8 is True
+    assert read_env({"PANTHEON_CPU_INT8": "1"}).cpu_int8 is True
+    for off in ("0", "false", "no", "off", " OFF "):
+        assert read_env({"PANTHEON_CPU_INT8": off}).cpu_int8 is False, off

@@ -28,12 +28,16 @@ pytestmark = pytest.mark.slow
 
 TIMEOUT = 300.0
 MODEL = "SmolLM2-135M-Instruct"
-FRANCE = "What is the capital of France?"
-# SmolLM2 answers this greedily with a short sentence ending in EOS ("The capital of France is Paris.").
-BASE = {"messages": [{"role": "user", "content": FRANCE}], "temperature": 0, "max_tokens": 16}
-# A prompt whose greedy answer repeats itself within a dozen tokens, so a strong penalty changes it.
-REPEAT = {"messages": [{"role": "user", "content": "Repeat after me: la la la la la la la la la la"}],
-          "temperature": 0, "max_tokens": 12}
+JAPAN = "What is the capital of Japan?"
+# SmolLM2 answers this greedily with a short sentence ending in EOS ("The capital of Japan is Tokyo.", 7 tokens)
+# in both cpu arithmetics, float32 and int8 activations, each token ahead of the runner-up by ~0.9 nats or more
+# (the closest step is the final ".") and the EOS by ~3, so a last-bit change in a kernel does not move it.
+# ("What is the capital of France?" is no such prompt: int8 answers it with an endless list.)
+BASE = {"messages": [{"role": "user", "content": JAPAN}], "temperature": 0, "max_tokens": 16}
+# A prompt whose greedy answer repeats a token within a dozen tokens ("A cat is a majestic creature with a ..."),
+# the repeat ahead of the best new token by only ~0.4 nats in both cpu arithmetics (float32 and int8
+# activations), so a penalty of 2 changes the answer whatever the last bits of the kernels.
+REPEAT = {"messages": [{"role": "user", "content": "Describe a cat."}], "temperature": 0, "max_tokens": 12}
 POEM = {"messages": [{"role": "user", "content": "Write a short poem about the sea."}], "temperature": 1.0,
         "max_tokens": 8}
 LONG = {"messages": [{"role": "user", "content": "Write a long story about a dragon and a knight."}],
@@ -140,7 +144,7 @@ def vocab(default_model_path: Path) -> dict[bytes, int]:
 
 @pytest.fixture(scope="module")
 def baseline(smollm_server: ServerProcess) -> dict[str, Any]:
-    """The greedy answer to FRANCE, with logprobs (5 alternatives) — the reference most tests compare to."""
+    """The greedy answer to JAPAN, with logprobs (5 alternatives) — the reference most tests compare to."""
     r = post(smollm_server, {**BASE, "logprobs": True, "top_logprobs": 5})
     assert r.status_code == 200, r.text
     body = r.json()
@@ -153,7 +157,10 @@ def baseline(smollm_server: ServerProcess) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def repeat_baseline(smollm_server: ServerProcess) -> str:
-    return content_of(chat(smollm_server, **REPEAT))
+    body = chat(smollm_server, **REPEAT, logprobs=True)
+    tokens = [e["token"] for e in body["choices"][0]["logprobs"]["content"]]
+    assert len(set(tokens)) < len(tokens), tokens  # the greedy answer repeats a token: penalties have a hold
+    return content_of(body)
 
 
 @pytest.fixture(scope="module")
@@ -384,7 +391,7 @@ def test_stop_string_cuts_and_is_not_returned(smollm_server: ServerProcess, base
     text = content_of(baseline)
     tokens = [e["token"] for e in baseline["choices"][0]["logprobs"]["content"]]
     assert "".join(tokens) == text
-    stop, at = _spanning_stop(tokens)  # e.g. "al of F" across " capital", " of", " France"
+    stop, at = _spanning_stop(tokens)  # e.g. "al of " across " capital", " of", " Japan"
     assert text.find(stop) == at > 0
     body = chat(smollm_server, **BASE, stop=stop)
     assert content_of(body) == text[:at]
@@ -413,7 +420,7 @@ def test_stop_string_in_stream_never_leaks(smollm_server: ServerProcess, baselin
 def test_stop_string_prefix_at_the_end_is_released(smollm_server: ServerProcess, baseline: dict) -> None:
     """The answer ends in a proper prefix of the stop string: held back while it might match, then returned."""
     text = content_of(baseline)
-    stop = text[-6:] + "!?"  # e.g. "Paris.!?": never matches, but the answer's tail is its prefix
+    stop = text[-6:] + "!?"  # e.g. "Tokyo.!?": never matches, but the answer's tail is its prefix
     body = chat(smollm_server, **BASE, stop=stop)
     assert content_of(body) == text
     assert body["choices"][0]["finish_reason"] == "stop"
@@ -565,7 +572,7 @@ def test_usage_after_a_stop_string_cut(smollm_server: ServerProcess, baseline: d
 def test_cached_tokens_reported_when_a_stop_string_ends_the_turn(two_model_server: ServerProcess) -> None:
     """Two identical two-turn sessions (one per served name, same weights): the second turn reuses the same
     prefix whether or not a stop string ends it, so it reports the same cached_tokens."""
-    turn1 = {**BASE, "messages": [{"role": "user", "content": FRANCE}]}
+    turn1 = {**BASE, "messages": [{"role": "user", "content": JAPAN}]}
     cached = {}
     for model, stop in (("a", None), ("b", "Berlin")):
         session = f"e2e-api-stop-{model}-{time.monotonic_ns()}"
@@ -602,14 +609,14 @@ def test_penalties_are_clamped_to_2(smollm_server: ServerProcess, repeat_baselin
 def test_text_parts_are_joined(smollm_server: ServerProcess, baseline: dict) -> None:
     # The spec's table reads non-string content as empty; the project joins {"type":"text"} parts instead,
     # because opencode sends them when files are attached (reference/clients.md).
-    parts = [{"type": "text", "text": "What is the capital "}, {"type": "text", "text": "of France?"}]
+    parts = [{"type": "text", "text": "What is the capital "}, {"type": "text", "text": "of Japan?"}]
     body = chat(smollm_server, **{**BASE, "messages": [{"role": "user", "content": parts}]})
     assert body["usage"]["prompt_tokens"] == baseline["usage"]["prompt_tokens"]
     assert content_of(body) == content_of(baseline)
 
 
 def test_message_without_role_is_user(smollm_server: ServerProcess, baseline: dict) -> None:
-    body = chat(smollm_server, **{**BASE, "messages": [{"content": FRANCE}]})
+    body = chat(smollm_server, **{**BASE, "messages": [{"content": JAPAN}]})
     assert body["usage"]["prompt_tokens"] == baseline["usage"]["prompt_tokens"]
     assert content_of(body) == content_of(baseline)
 
@@ -618,7 +625,7 @@ def test_message_without_role_is_user(smollm_server: ServerProcess, baseline: di
 def test_assistant_turn_with_reasoning_is_accepted(smollm_server: ServerProcess, field: str) -> None:
     messages = [{"role": "user", "content": "Hi!"},
                 {"role": "assistant", "content": "Hello! How can I help?", field: "The user greets me."},
-                {"role": "user", "content": FRANCE}]
+                {"role": "user", "content": JAPAN}]
     body = chat(smollm_server, messages=messages, temperature=0, max_tokens=3)
     assert body["choices"][0]["message"]["content"]
     assert body["usage"]["prompt_tokens"] > 40  # the whole conversation was rendered
@@ -737,9 +744,11 @@ def test_openai_client_n_and_logprobs(smollm_server: ServerProcess, baseline: di
 # -- disconnects and connection handling ------------------------------------------------------------------
 
 def _endless(vocab: dict[bytes, int], max_tokens: int) -> dict[str, Any]:
-    """A request that cannot end by itself for minutes: end tokens forbidden, sampled (so it does not loop)."""
+    """A request that cannot end by itself for minutes: end tokens forbidden, sampled with a frequency penalty
+    (so it does not loop: at temperature 0.8 alone SmolLM2 falls into a loop within a few thousand tokens)."""
     forbid = {str(vocab[t]): -100 for t in (b"<|im_end|>", b"<|endoftext|>")}
-    return {**LONG, "temperature": 0.8, "seed": 1, "max_tokens": max_tokens, "logit_bias": forbid}
+    return {**LONG, "temperature": 0.8, "seed": 1, "frequency_penalty": 0.5, "max_tokens": max_tokens,
+            "logit_bias": forbid}
 
 
 def _content_lines(lines: Iterator[str], count: int) -> int:

@@ -1,9 +1,9 @@
 """The default model against independent implementations (tests/golden/make_smollm2_golden.py made the data).
 
 Each arithmetic of the cpu backend against the implementation that computes the same way:
-- float path (the default) against transformers (exact f32 arithmetic on the same GGUF weights): at
+- float path (PANTHEON_CPU_INT8=0) against transformers (exact f32 arithmetic on the same GGUF weights): at
   every prompt position cosine similarity >= 0.999 and the same argmax;
-- int8 path (PANTHEON_CPU_INT8=1 where the CPU has the instructions: activations rounded to 8-bit blocks
+- int8 path (the server's default where the CPU has the instructions: activations rounded to 8-bit blocks
   before each Q4_1 / Q8_0 matmul, as llama.cpp does; the two differ in how the block scales are stored and
   summed) against llama.cpp's logits: cosine >= 0.98 at every position
   and a median >= 0.998; our top token one of the references' at >= 95% of positions and never more than 0.5

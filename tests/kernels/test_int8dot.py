@@ -29,7 +29,7 @@ def activations(batch: int, cols: int, seed: int = 1) -> np.ndarray:
 def test_quantize_rows_matches_reference() -> None:
     x = activations(5, 96)
     x[2, 32:64] = 0.0  # an all-zero block: scale 0, values 0
-    xq, xd, xs = int8dot.quantize_rows(x)
+    xq, xd, xs = int8dot.unpack_quantized(*int8dot.quantize_rows(x), 96)
     q, d = reference.quantize_rows_q8(x)
     assert np.array_equal(xq, q)
     assert np.array_equal(xd, d)
@@ -40,13 +40,14 @@ def test_quantize_rows_matches_reference() -> None:
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=["Q4_1", "Q8_0"])
-@pytest.mark.parametrize("cols", [32, 96, 576])  # 1, 3 (odd: a tail block) and 18 blocks
-@pytest.mark.parametrize("batch", [1, 3, 4, 5, 8, 33])
+# blocks: 1, 3, one whole group, 2 groups + 1 pair, 3 groups + 1 odd block
+@pytest.mark.parametrize("cols", [32, 96, 256, 576, 800])
+@pytest.mark.parametrize("batch", [1, 3, 4, 5, 8, 13, 33])
 def test_matmul_matches_reference(qtype: int, cols: int, batch: int) -> None:
     w = weight(qtype, 37, cols, seed=cols)
     x = activations(batch, cols, seed=batch)
     out = np.full((batch, 37), np.nan, dtype=np.float32)
-    int8dot.matmul(qtype, w.data, x, out)
+    int8dot.matmul(qtype, int8dot.pack_weight(qtype, w.data), x, out)
     expected = reference.matmul_int8(qtype, w.data, x)
     err = np.linalg.norm(out - expected) / np.linalg.norm(expected)
     assert err < 2e-6, err
@@ -55,13 +56,60 @@ def test_matmul_matches_reference(qtype: int, cols: int, batch: int) -> None:
     assert np.linalg.norm(out - exact) / np.linalg.norm(exact) < 0.02
 
 
+def test_activation_layout_round_trips_and_pads_with_zeros() -> None:
+    """K = 800: 25 blocks, so the last of 4 groups holds one real block and seven of zero padding."""
+    x = activations(3, 800)
+    packed = int8dot.quantize_rows(x)
+    assert [a.shape for a in packed] == [(3, 4 * 256), (3, 32), (3, 32)]
+    q, d, s = int8dot.unpack_quantized(*packed, 800)
+    ref_q, ref_d = reference.quantize_rows_q8(x)
+    assert np.array_equal(q, ref_q) and np.array_equal(d, ref_d)
+    np.testing.assert_allclose(s, ref_d * ref_q.reshape(3, 25, 32).astype(np.int64).sum(axis=2), rtol=1e-6)
+    assert np.count_nonzero(packed[0]) == np.count_nonzero(ref_q)
+    assert np.count_nonzero(packed[1]) == np.count_nonzero(ref_d)
+    # vector u of a group, lane i = values 4u..4u+3 of block i
+    assert np.array_equal(packed[0][0, 32 * 5 + 4 * 3 : 32 * 5 + 4 * 3 + 4], ref_q[0, 3 * 32 + 20 : 3 * 32 + 24])
+    # offset: the same values as q + 128 (Q8_0's operand on VNNI)
+    shifted = int8dot.quantize_rows(x, offset=True)
+    assert np.array_equal(shifted[0].view(np.uint8)[:, :32].astype(int) - 128, packed[0][:, :32])
+    assert np.array_equal(int8dot.unpack_quantized(*shifted, 800, offset=True)[0], ref_q)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=["Q4_1", "Q8_0"])
+def test_weight_layout(qtype: int) -> None:
+    """pack_weight: per group of 8 blocks the scales side by side, then the values lane by lane; K = 800 leaves
+    a last group of one real block and seven zero ones."""
+    w = weight(qtype, 3, 800)
+    packed = int8dot.pack_weight(qtype, w.data)
+    group = 160 if qtype == Q4_1 else 304
+    assert packed.shape == (3, 4 * group) and packed.dtype == np.uint8
+    block = 20 if qtype == Q4_1 else 34
+    row = w.data[1]
+    for blk in (0, 5, 11, 24):
+        g, lane = divmod(blk, 8)
+        src, dst = row[blk * block :], packed[1, g * group :]
+        assert bytes(dst[2 * lane : 2 * lane + 2]) == bytes(src[:2])  # d
+        if qtype == Q4_1:
+            assert bytes(dst[16 + 2 * lane : 18 + 2 * lane]) == bytes(src[2:4])  # m
+            for j in (0, 7, 15):
+                assert dst[32 + 32 * (j // 4) + 4 * lane + j % 4] == src[4 + j]
+        else:
+            values = src[2:34].view(np.int8)
+            assert dst[16 + 4 * lane : 20 + 4 * lane].view(np.int32)[0] == 128 * int(values.astype(int).sum())
+            for j in (0, 13, 31):
+                assert dst[48 + 32 * (j // 4) + 4 * lane + j % 4] == src[2 + j]
+    last = packed[:, 3 * group :].reshape(3, -1)
+    assert not last[:, 2:16].any()  # padding blocks: zero scales ...
+    assert np.count_nonzero(last) <= 3 * (2 + 2 + 16 if qtype == Q4_1 else 2 + 4 + 32)  # ... and values
+
+
 @pytest.mark.parametrize("qtype", TYPES, ids=["Q4_1", "Q8_0"])
 def test_a_row_does_not_depend_on_its_batch(qtype: int) -> None:
-    """Bit for bit: rows 0..7 go through the four-row variant, row 8 through the one-row one."""
+    """Bit for bit: rows 0..7 go through the eight-row variant, 8..11 the four-row one, 12 the one-row one."""
     w = weight(qtype, 64, 576)
-    x = activations(9, 576)
+    x = activations(13, 576)
     batched = quant.matmul(w, x, int8=True)
-    for b in range(9):
+    for b in range(13):
         alone = quant.matmul(w, np.ascontiguousarray(x[b : b + 1]), int8=True)
         assert np.array_equal(alone[0], batched[b]), b
 
@@ -89,3 +137,18 @@ def test_nan_in_activations_propagates() -> None:
     out = quant.matmul(w, x, int8=True)
     assert np.isfinite(out[0]).all()
     assert np.isnan(out[1]).all()
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("cols", [96, 800])
+def test_the_avx2_kernels_give_the_same_bits(qtype: int, cols: int) -> None:
+    """The AVX2 variant (vpmaddubsw; Q8_0 with the signs moved onto the activations) runs on a VNNI machine too;
+    its integer sums are exact like VNNI's, so every output matches the host kernels bit for bit."""
+    w = weight(qtype, 21, cols, seed=cols)
+    x = activations(3, cols)
+    host = quant.matmul(w, x, int8=True)
+    out = np.full((3, 21), np.nan, dtype=np.float32)
+    int8dot.matmul_with_isa("avx2", qtype, w.int8_packed, x, out)
+    np.testing.assert_array_equal(out, host)
+    err = np.linalg.norm(out - reference.matmul_int8(qtype, w.data, x)) / np.linalg.norm(host)
+    assert err < 2e-6, err

@@ -117,6 +117,40 @@ def test_rope_rejects_odd_or_oversized_n_rot():
             ops.rope_inplace(x, positions, n_rot, 10000.0, False)
 
 
+def test_rope_reuses_angles_only_for_the_same_positions_and_frequencies():
+    """The sin/cos table is kept between calls: a second call with other positions (same array, changed in
+    place), another base or another n_rot must not reuse it."""
+    rng = np.random.default_rng(13)
+    positions = np.array([5, 900], dtype=np.int32)
+    for n_rot, base in ((64, 10000.0), (64, 10000.0), (32, 10000.0), (64, 500000.0)):
+        for _ in range(2):
+            x = random(rng, (2, 3, 64))
+            rotated = x.copy()
+            ops.rope_inplace(rotated, positions, n_rot, base, False)
+            assert_close(rotated, ref.rope(x, positions, n_rot, base, False))
+            positions += 7
+
+
+# --- kv cache ------------------------------------------------------------------------------------------
+
+
+def test_kv_write_matches_numpy_assignment_and_checks_bounds():
+    rng = np.random.default_rng(14)
+    pool = random(rng, (3, 10, 2, 8))
+    expected = pool.copy()
+    slots, positions = np.array([2, 0, 2], dtype=np.int32), np.array([9, 0, 4], dtype=np.int32)
+    values = random(rng, (3, 2, 8))
+    expected[slots, positions] = values
+    ops.kv_write(pool, slots, positions, values)
+    np.testing.assert_array_equal(pool, expected)
+    for bad_slots, bad_positions in (([3], [0]), ([0], [10]), ([-1], [0]), ([0], [-1])):
+        with pytest.raises(IndexError):
+            ops.kv_write(pool, np.array(bad_slots, np.int32), np.array(bad_positions, np.int32), values[:1])
+    np.testing.assert_array_equal(pool, expected)  # a refused write changed nothing
+    with pytest.raises(ValueError):
+        ops.kv_write(pool, slots, positions, random(rng, (3, 2, 4)))
+
+
 # --- swiglu --------------------------------------------------------------------------------------------
 
 

@@ -1,4 +1,6 @@
-"""The cpu backend: numba kernels over GGUF blocks kept in their on-disk format (mmapped, never copied)."""
+"""The cpu backend: numba kernels over GGUF blocks kept in their on-disk format (mmapped, never copied), except
+that with int8 activations each Q4_1 / Q8_0 matrix is rearranged once into the int8 kernels' layout (a copy of
+the same size, `QWeight.int8_packed`, made by the load's warm-up; the mmapped original then goes cold)."""
 
 from __future__ import annotations
 
@@ -96,10 +98,6 @@ class CpuBackend:
         return np.ascontiguousarray(x[rows])
 
     @staticmethod
-    def kv_write(pool: np.ndarray, slots: np.ndarray, positions: np.ndarray, values: np.ndarray) -> None:
-        pool[slots, positions] = values
-
-    @staticmethod
     def attention(q: np.ndarray, k_pool: np.ndarray, v_pool: np.ndarray, slot: int, start_pos: int, scale: float,
                   out: np.ndarray | None = None) -> np.ndarray:
         return ops.attention(q, k_pool[slot], v_pool[slot], start_pos, scale, out)
@@ -115,6 +113,7 @@ class CpuBackend:
     rmsnorm = staticmethod(ops.rmsnorm)
     add_rmsnorm = staticmethod(ops.add_rmsnorm)
     rope_inplace = staticmethod(ops.rope_inplace)
+    kv_write = staticmethod(ops.kv_write)
     swiglu = staticmethod(ops.swiglu)
     attention_decode_batch = staticmethod(ops.attention_decode_batch)
     causal_conv1d = staticmethod(ssm.causal_conv1d)

@@ -3,25 +3,38 @@
 The arithmetic llama.cpp's CPU backend does for these types: each activation row is quantized once per matmul
 to blocks of 32 int8 values with a float32 scale (`quantize_rows`, round to nearest, scale = max|x| / 127),
 and a weight block meets an activation block as 32 int8 x uint8 products summed in int32, scaled once per
-block in float32. One VNNI instruction (`vpdpbusd`) does a block's 32 products and sums; the float path of
-`quant.py` needs two FMAs per 16 products plus the conversion of every weight to float32 first.
+block in float32. One VNNI instruction (`vpdpbusd`) does 32 such products and partial sums.
 
 Numba compiles without LLVM's SLP vectorizer and types integer arithmetic as int64, so these loops cannot be
 written as numba Python and vectorize. `_make_row_dot` therefore builds intrinsics that emit the whole loop
-over a row's blocks as LLVM IR on 256-bit vectors, keeping the per-block float32 partial sums in vector
-registers and reducing them once at the end of the row. The instruction set is fixed when this module is
-imported (`INT8_ISA`): VNNI where the CPU has it (AVX512-VNNI with VL — the path tested here, on Zen 4 — or
-AVX-VNNI, not tried), else AVX2's `vpmaddubsw` + `vpmaddwd` (exact here: the unsigned operand is at most 128,
-so a pair of products is at most 2 * 128 * 127 < 32767), else None and the float path is used. Numba's on-disk cache is keyed by CPU name and features, so a cached kernel never runs on a CPU that
-lacks its instructions.
+over a row's blocks as LLVM IR on 256-bit vectors. The unit of work is a group of 8 blocks (256 values):
+two blocks share a vector of 32 weights (the low nibbles of both, then the high nibbles), their int32 partial
+sums come out of two `vpdpbusd`, and three `vphaddd` turn a group's four pair vectors into one vector holding
+each block's exact integer sum in a lane; one conversion and one fma then scale all eight blocks at once (and
+a second fma adds Q4_1's m terms). That is about 2.5 instructions per block and activation row, where
+scaling each block on its own took 8. `quantize_rows` writes the activations in exactly that order (see its
+docstring), so the row side only loads. Up to 8 activation rows share each weight group's loads and
+unpacking; a row's arithmetic is the same whatever the number of rows (batch invariance).
+
+The instruction set is fixed when this module is imported (`INT8_ISA`): VNNI where the CPU has it
+(AVX512-VNNI with VL, the path tested here on Zen 4, or AVX-VNNI), else AVX2's `vpmaddubsw` + `vpmaddwd`
+(exact here: the unsigned operand is at most 128, so a pair of products is at most 2 * 128 * 127 < 32767),
+else None and the float path is used. The AVX2 kernels are also run on a VNNI machine by the tests
+(`matmul_with_isa`): the integer sums are exact on both, so the bits agree. Numba's on-disk cache is keyed by
+CPU name and features, so a cached kernel never runs on a CPU that lacks its instructions.
 
 Per block (the m term of Q4_1 uses the activation block's sum, precomputed by `quantize_rows`):
     Q4_1:  d_w * d_x * sum(q_w * q_x) + m_w * (d_x * sum(q_x))       q_w in 0..15
-    Q8_0:  d_w * d_x * sum(q_w * q_x)                               q_w in -128..127 (as |q_w| * sign(q_w) q_x)
+    Q8_0:  d_w * d_x * sum(q_w * q_x)                               q_w in -128..127
+Q8_0 on VNNI takes the activations as q_x + 128 (unsigned) and subtracts 128 * sum(q_w) per block; on AVX2
+the weights' signs move onto the activations (|q_w| * sign(q_w) q_x) instead, as vpmaddubsw would saturate
+on (q_x + 128) * q_w.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Sequence
 from typing import Any
 
 import llvmlite.binding as llvm_binding
@@ -32,11 +45,16 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-__all__ = ["INT8_ISA", "INT8_TYPES", "matmul", "quantize_rows"]
+__all__ = ["INT8_ISA", "INT8_TYPES", "matmul", "pack_weight", "quantize_rows", "unpack_quantized"]
 
 Q4_1, Q8_0 = 3, 8
 INT8_TYPES: frozenset[int] = frozenset({Q4_1, Q8_0})
 QK = 32  # values per activation block (and per Q4_1 / Q8_0 weight block)
+GROUP_BLOCKS = 8  # blocks side by side in the lanes of one vector
+GROUP_BYTES = GROUP_BLOCKS * QK  # activation bytes of a group
+# Bytes of a packed weight group (see `pack_weight`): Q4_1 8 f16 d, 8 f16 m, 128 bytes of nibbles; Q8_0 8 f16
+# d, 8 int32 corrections, 256 bytes of values.
+Q4_1_GROUP, Q8_0_GROUP = 160, 304
 
 
 def _detect_isa() -> str | None:
@@ -50,16 +68,18 @@ def _detect_isa() -> str | None:
 
 INT8_ISA: str | None = _detect_isa()
 
+
+def _offset_q8_0(isa: str | None) -> bool:
+    """With VNNI, Q8_0 takes its activations as q + 128, unsigned, and takes 128 * sum(q_w) off each block's sum
+    (stored by `pack_weight`); AVX2's vpmaddubsw would saturate on those products, so there the weights' signs
+    move onto the activations instead (|q_w| * sign(q_w) q_x)."""
+    return isa == "vnni"
+
+
 _i1, _i8, _i16, _i32, _i64 = ir.IntType(1), ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 _f16, _f32 = ir.HalfType(), ir.FloatType()
-_v16i8, _v32i8 = ir.VectorType(_i8, 16), ir.VectorType(_i8, 32)
-_v16i16, _v8i32, _v8f32 = ir.VectorType(_i16, 16), ir.VectorType(_i32, 8), ir.VectorType(_f32, 8)
-
-
-def _splat(builder: ir.IRBuilder, value: ir.Value, vtype: ir.VectorType) -> ir.Value:
-    one = builder.insert_element(ir.Constant(vtype, ir.Undefined), value, ir.Constant(_i32, 0))
-    lanes = ir.Constant(ir.VectorType(_i32, vtype.count), [0] * vtype.count)
-    return builder.shuffle_vector(one, ir.Constant(vtype, ir.Undefined), lanes)
+_v32i8, _v16i16 = ir.VectorType(_i8, 32), ir.VectorType(_i16, 16)
+_v8i32, _v8f16, _v8f32 = ir.VectorType(_i32, 8), ir.VectorType(_f16, 8), ir.VectorType(_f32, 8)
 
 
 def _call(builder: ir.IRBuilder, name: str, ret: ir.Type, args: list[ir.Value]) -> ir.Value:
@@ -67,17 +87,20 @@ def _call(builder: ir.IRBuilder, name: str, ret: ir.Type, args: list[ir.Value]) 
     return builder.call(cgutils.get_or_insert_function(builder.module, fnty, name), args)
 
 
-def _unsigned_signed_dot(builder: ir.IRBuilder, u: ir.Value, s: ir.Value) -> ir.Value:
-    """<8 x i32>: lane i = sum of u[4i+j] * s[4i+j], j < 4 (u as uint8, s as int8, both <32 x i8>)."""
-    if INT8_ISA == "vnni":
-        zero = ir.Constant(_v8i32, None)
+def _unsigned_signed_dot(builder: ir.IRBuilder, isa: str, u: ir.Value, s: ir.Value, acc: ir.Value | None
+                         ) -> ir.Value:
+    """<8 x i32>: lane i = acc[i] + sum of u[4i+j] * s[4i+j], j < 4 (u as uint8, s as int8, both <32 x i8>)."""
+    if isa == "vnni":
+        start = acc if acc is not None else ir.Constant(_v8i32, None)
         return _call(builder, "llvm.x86.avx512.vpdpbusd.256", _v8i32,
-                     [zero, builder.bitcast(u, _v8i32), builder.bitcast(s, _v8i32)])
+                     [start, builder.bitcast(u, _v8i32), builder.bitcast(s, _v8i32)])
     pairs = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _v16i16, [u, s])
-    return _call(builder, "llvm.x86.avx2.pmadd.wd", _v8i32, [pairs, ir.Constant(_v16i16, [1] * 16)])
+    dot = _call(builder, "llvm.x86.avx2.pmadd.wd", _v8i32, [pairs, ir.Constant(_v16i16, [1] * 16)])
+    return dot if acc is None else builder.add(acc, dot)
 
 
 def _load(builder: ir.IRBuilder, base: ir.Value, offset: ir.Value, ty: ir.Type) -> ir.Value:
+    """A `ty` at byte `offset` of the i8* `base`."""
     ptr = builder.bitcast(builder.gep(base, [offset]), ty.as_pointer())
     return builder.load(ptr, align=1)
 
@@ -85,17 +108,74 @@ def _load(builder: ir.IRBuilder, base: ir.Value, offset: ir.Value, ty: ir.Type) 
 def _fma(builder: ir.IRBuilder, a: ir.Value, b: ir.Value, c: ir.Value) -> ir.Value:
     """a * b + c, rounded once: an explicit fma, so that LLVM may not reassociate the chain and every row's sum
     is the same sequence of operations in every variant (batch invariance)."""
-    suffix = f"v{a.type.count}f32" if isinstance(a.type, ir.VectorType) else "f32"
-    return _call(builder, f"llvm.fma.{suffix}", a.type, [a, b, c])
+    return _call(builder, "llvm.fma.v8f32", a.type, [a, b, c])
 
 
-def _make_row_dot(q4: bool, n_x: int) -> Any:
+def _weight_group(builder: ir.IRBuilder, isa: str, q4: bool, wptr: ir.Value, g: ir.Value
+                  ) -> tuple[list[ir.Value], ir.Value, ir.Value | None]:
+    """The weight side of group g of a packed row: the eight vectors that meet the activation vectors 0..7 (Q8_0
+    on AVX2: their magnitudes, then the signed values too), the d scales as float32 (lane = block), and a third
+    vector: Q4_1's m scales, offset Q8_0's int32 corrections, else None."""
+    base = builder.mul(g, ir.Constant(_i64, Q4_1_GROUP if q4 else Q8_0_GROUP))
+
+    def at(offset: int, ty: ir.Type) -> ir.Value:
+        return _load(builder, wptr, builder.add(base, ir.Constant(_i64, offset)), ty)
+
+    d_w = builder.fpext(at(0, _v8f16), _v8f32)
+    if q4:
+        m_w = builder.fpext(at(16, _v8f16), _v8f32)
+        packed = [at(32 + 32 * t, _v32i8) for t in range(4)]
+        low = [builder.and_(v, ir.Constant(_v32i8, [15] * 32)) for v in packed]
+        high = [builder.lshr(v, ir.Constant(_v32i8, [4] * 32)) for v in packed]
+        return low + high, d_w, m_w
+    values = [at(48 + 32 * u, _v32i8) for u in range(8)]
+    if _offset_q8_0(isa):
+        return values, d_w, at(16, _v8i32)
+    magnitudes = [_call(builder, "llvm.abs.v32i8", _v32i8, [v, ir.Constant(_i1, 0)]) for v in values]
+    return magnitudes + values, d_w, None
+
+
+def _row_group(builder: ir.IRBuilder, isa: str, q4: bool, weights: list[ir.Value], d_w: ir.Value,
+               third: ir.Value | None, xptr: ir.Value, dptr: ir.Value, sptr: ir.Value, g: ir.Value,
+               acc: ir.Value) -> ir.Value:
+    """acc + one activation row's products with weight group g. Vector u of the row's group holds values
+    4u..4u+3 of each of its eight blocks (lane = block), as does weight vector u, so eight unsigned x signed dot
+    instructions leave each block's exact integer sum in its own lane (two chains of four, for latency); one
+    conversion and one fma then scale all eight by d_w * d_x, and Q4_1 adds m_w * (d_x * sum(q_x)) in a second.
+    `weights`, `third`: from `_weight_group`."""
+    xbase = builder.mul(g, ir.Constant(_i64, GROUP_BYTES))
+    xs = [_load(builder, xptr, builder.add(xbase, ir.Constant(_i64, 32 * u)), _v32i8) for u in range(8)]
+    if q4:
+        pairs = list(zip(weights, xs))
+    elif _offset_q8_0(isa):  # (q_x + 128) * q_w, corrected below
+        pairs = list(zip(xs, weights))
+    else:
+        pairs = [(weights[u], _call(builder, "llvm.x86.avx2.psign.b", _v32i8, [xs[u], weights[8 + u]]))
+                 for u in range(8)]
+    chains = []
+    for half in (pairs[:4], pairs[4:]):
+        chain = None
+        for u, s in half:
+            chain = _unsigned_signed_dot(builder, isa, u, s, chain)
+        chains.append(chain)
+    sums = builder.add(chains[0], chains[1])  # integers: exact in any order
+    if third is not None and not q4:
+        sums = builder.sub(sums, third)
+    lanes = builder.mul(g, ir.Constant(_i64, GROUP_BLOCKS * 4))
+    d_x = _load(builder, dptr, lanes, _v8f32)
+    acc = _fma(builder, builder.sitofp(sums, _v8f32), builder.fmul(d_w, d_x), acc)
+    if q4:
+        acc = _fma(builder, third, _load(builder, sptr, lanes, _v8f32), acc)
+    return acc
+
+
+def _make_row_dot(q4: bool, n_x: int, isa: str) -> Any:
     """An intrinsic (wrow, xq, xd, xs, b, out, n) that sets out[b + r, n] for r < n_x to the dot product of one
-    weight row (its raw Q4_1 or Q8_0 bytes) with activation row b + r as quantized by `quantize_rows`.
+    packed weight row (`pack_weight`) with activation row b + r as packed by `quantize_rows`.
 
-    A row's sum is the same for every n_x: two float32 vector accumulators (even and odd blocks), each block
-    added with one fma, the two added and reduced pairwise at the end; for Q4_1 the m terms likewise in two
-    scalar chains. Several activation rows per call share each weight block's loads and unpacking."""
+    A row's sum is the same sequence of float operations for every n_x: one 8-lane float32 accumulator (lane =
+    block of a group), groups in order, the lanes reduced pairwise at the end. Several activation rows per call
+    share each weight group's loads and unpacking."""
 
     def row_dot(typingctx, wrow, xq, xd, xs, b, out, n):
         return types.void(wrow, xq, xd, xs, b, out, n), codegen
@@ -109,115 +189,122 @@ def _make_row_dot(q4: bool, n_x: int) -> Any:
         o = context.make_array(out_t)(context, builder, args[5])
         b0, n = args[4], args[6]
         wptr = builder.bitcast(w.data, _i8.as_pointer())
-        n_blocks = builder.extract_value(d.shape, 1)
-        k_dim = builder.extract_value(x.shape, 1)
-        block_bytes = 20 if q4 else 34
+        n_groups = builder.sdiv(builder.extract_value(d.shape, 1), ir.Constant(_i64, GROUP_BLOCKS))
+        lanes_bytes = builder.mul(builder.extract_value(d.shape, 1), ir.Constant(_i64, 4))
+        x_row_bytes = builder.extract_value(x.shape, 1)
         n_out = builder.extract_value(o.shape, 1)
         rows = [builder.add(b0, ir.Constant(_i64, r)) for r in range(n_x)]
-        xptrs = [builder.bitcast(builder.gep(x.data, [builder.mul(row, k_dim)]), _i8.as_pointer()) for row in rows]
-        dptrs = [builder.gep(d.data, [builder.mul(row, n_blocks)]) for row in rows]
-        sptrs = [builder.gep(s.data, [builder.mul(row, n_blocks)]) for row in rows]
 
-        def block(i: ir.Value, faccs: list[ir.Value], maccs: list[ir.Value]) -> tuple[list, list]:
-            p = builder.mul(i, ir.Constant(_i64, block_bytes))
-            d_w = builder.fpext(_load(builder, wptr, p, _f16), _f32)
-            if q4:
-                m_w = builder.fpext(_load(builder, wptr, builder.add(p, ir.Constant(_i64, 2)), _f16), _f32)
-                qs = _load(builder, wptr, builder.add(p, ir.Constant(_i64, 4)), _v16i8)
-                lo = builder.and_(qs, ir.Constant(_v16i8, [15] * 16))
-                hi = builder.lshr(qs, ir.Constant(_v16i8, [4] * 16))
-                u = builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(_i32, 32), list(range(32))))
-            else:
-                qw = _load(builder, wptr, builder.add(p, ir.Constant(_i64, 2)), _v32i8)
-                u = _call(builder, "llvm.abs.v32i8", _v32i8, [qw, ir.Constant(_i1, 0)])
-            new_f, new_m = [], []
-            for r in range(n_x):
-                xv = _load(builder, xptrs[r], builder.mul(i, ir.Constant(_i64, QK)), _v32i8)
-                d_x = builder.load(builder.gep(dptrs[r], [i]))
-                if q4:
-                    dot = _unsigned_signed_dot(builder, u, xv)
-                    s_x = builder.load(builder.gep(sptrs[r], [i]))
-                    new_m.append(_fma(builder, m_w, s_x, maccs[r]))
-                else:
-                    dot = _unsigned_signed_dot(builder, u, _call(builder, "llvm.x86.avx2.psign.b", _v32i8, [xv, qw]))
-                    new_m.append(maccs[r])
-                scale = _splat(builder, builder.fmul(d_w, d_x), _v8f32)
-                new_f.append(_fma(builder, builder.sitofp(dot, _v8f32), scale, faccs[r]))
-            return new_f, new_m
+        def row_ptr(array: Any, row: ir.Value, stride: ir.Value) -> ir.Value:
+            return builder.gep(builder.bitcast(array.data, _i8.as_pointer()), [builder.mul(row, stride)])
 
-        zero_v, zero_f = ir.Constant(_v8f32, None), ir.Constant(_f32, 0.0)
-        n_pairs = builder.sdiv(n_blocks, ir.Constant(_i64, 2))
+        xptrs = [row_ptr(x, row, x_row_bytes) for row in rows]
+        dptrs = [row_ptr(d, row, lanes_bytes) for row in rows]
+        sptrs = [row_ptr(s, row, lanes_bytes) for row in rows]
+
+        zero = ir.Constant(_v8f32, None)
         entry = builder.basic_block
-        loop = builder.append_basic_block("int8dot.loop")
-        after = builder.append_basic_block("int8dot.after")
-        builder.cbranch(builder.icmp_signed(">", n_pairs, ir.Constant(_i64, 0)), loop, after)
+        loop = builder.append_basic_block("int8dot.groups")
+        done = builder.append_basic_block("int8dot.reduce")
+        builder.cbranch(builder.icmp_signed(">", n_groups, ir.Constant(_i64, 0)), loop, done)
 
         builder.position_at_end(loop)
-        j = builder.phi(_i64)
-        phis = [builder.phi(_v8f32) for _ in range(2 * n_x)] + [builder.phi(_f32) for _ in range(2 * n_x)]
-        even_f, odd_f = phis[0:n_x], phis[n_x : 2 * n_x]
-        even_m, odd_m = phis[2 * n_x : 3 * n_x], phis[3 * n_x :]
-        i0 = builder.mul(j, ir.Constant(_i64, 2))
-        even_f2, even_m2 = block(i0, even_f, even_m)
-        odd_f2, odd_m2 = block(builder.add(i0, ir.Constant(_i64, 1)), odd_f, odd_m)
-        j_next = builder.add(j, ir.Constant(_i64, 1))
-        builder.cbranch(builder.icmp_signed("<", j_next, n_pairs), loop, after)
+        g = builder.phi(_i64)
+        accs = [builder.phi(_v8f32) for _ in range(n_x)]
+        weights, d_w, third = _weight_group(builder, isa, q4, wptr, g)
+        new_accs = [_row_group(builder, isa, q4, weights, d_w, third, xptrs[r], dptrs[r], sptrs[r], g, accs[r])
+                    for r in range(n_x)]
+        g_next = builder.add(g, ir.Constant(_i64, 1))
+        builder.cbranch(builder.icmp_signed("<", g_next, n_groups), loop, done)
         loop_end = builder.basic_block
-        j.add_incoming(ir.Constant(_i64, 0), entry)
-        j.add_incoming(j_next, loop_end)
-        for phi, value in zip(phis, even_f2 + odd_f2 + even_m2 + odd_m2):
-            phi.add_incoming(zero_v if phi.type == _v8f32 else zero_f, entry)
+        g.add_incoming(ir.Constant(_i64, 0), entry)
+        g.add_incoming(g_next, loop_end)
+        for phi, value in zip(accs, new_accs):
+            phi.add_incoming(zero, entry)
             phi.add_incoming(value, loop_end)
 
-        builder.position_at_end(after)
-        merged = []
-        for value in even_f2 + odd_f2 + even_m2 + odd_m2:
-            phi = builder.phi(value.type)
-            phi.add_incoming(zero_v if value.type == _v8f32 else zero_f, entry)
-            phi.add_incoming(value, loop_end)
-            merged.append(phi)
-        even_f, odd_f = merged[0:n_x], merged[n_x : 2 * n_x]
-        even_m, odd_m = merged[2 * n_x : 3 * n_x], merged[3 * n_x :]
-        # An odd last block goes to the even chain.
-        last = builder.sub(n_blocks, ir.Constant(_i64, 1))
-        with builder.if_then(builder.icmp_signed("==", builder.srem(n_blocks, ir.Constant(_i64, 2)),
-                                                 ir.Constant(_i64, 1))):
-            tail_f, tail_m = block(last, even_f, even_m)
-            tail_bb = builder.basic_block
-        f_phis, m_phis = [], []
+        builder.position_at_end(done)
+        finals = []
         for r in range(n_x):
-            f_phis.append(builder.phi(_v8f32))
-            f_phis[r].add_incoming(even_f[r], after)
-            f_phis[r].add_incoming(tail_f[r], tail_bb)
-            m_phis.append(builder.phi(_f32))
-            m_phis[r].add_incoming(even_m[r], after)
-            m_phis[r].add_incoming(tail_m[r], tail_bb)
-        for r in range(n_x):
-            f_phi, m_phi = f_phis[r], m_phis[r]
-            v = builder.fadd(f_phi, odd_f[r])
+            finals.append(builder.phi(_v8f32))
+            finals[r].add_incoming(zero, entry)
+            finals[r].add_incoming(new_accs[r], loop_end)
+        for r, v in enumerate(finals):
             # Lanes summed pairwise in a fixed order.
             for width in (4, 2, 1):
                 mask_lo = ir.Constant(ir.VectorType(_i32, width), list(range(width)))
                 mask_hi = ir.Constant(ir.VectorType(_i32, width), list(range(width, 2 * width)))
                 v = builder.fadd(builder.shuffle_vector(v, v, mask_lo), builder.shuffle_vector(v, v, mask_hi))
-            total = builder.fadd(builder.extract_element(v, ir.Constant(_i32, 0)), builder.fadd(m_phi, odd_m[r]))
+            total = builder.extract_element(v, ir.Constant(_i32, 0))
             builder.store(total, builder.gep(o.data, [builder.add(builder.mul(rows[r], n_out), n)]))
         return context.get_dummy_value()
 
-    row_dot.__name__ = row_dot.__qualname__ = f"{'q4_1' if q4 else 'q8_0'}_row_dot_{n_x}"
+    row_dot.__name__ = row_dot.__qualname__ = f"{'q4_1' if q4 else 'q8_0'}_row_dot_{n_x}_{isa}"
     return intrinsic(row_dot)
 
 
-_q4_1_dot_1, _q4_1_dot_4 = _make_row_dot(True, 1), _make_row_dot(True, 4)
-_q8_0_dot_1, _q8_0_dot_4 = _make_row_dot(False, 1), _make_row_dot(False, 4)
+_ISA = INT8_ISA or "avx2"  # the kernels below are never called without one
+_q4_1_dot_1, _q4_1_dot_4, _q4_1_dot_8 = (_make_row_dot(True, n, _ISA) for n in (1, 4, 8))
+_q8_0_dot_1, _q8_0_dot_4, _q8_0_dot_8 = (_make_row_dot(False, n, _ISA) for n in (1, 4, 8))
 
 
 _KERNEL = dict(cache=True, nogil=True, error_model="numpy")
 
 
+# --- weights ---------------------------------------------------------------------------------------------
+
+
+@numba.njit(parallel=True, **_KERNEL)
+def _pack_rows(qtype, data, packed, n_blocks):
+    """GGUF Q4_1 / Q8_0 rows -> the grouped layout of `pack_weight` (the padding blocks stay zero)."""
+    block_bytes = 20 if qtype == Q4_1 else 34
+    group_bytes = Q4_1_GROUP if qtype == Q4_1 else Q8_0_GROUP
+    for n in numba.prange(data.shape[0]):
+        src = data[n]
+        dst = packed[n]
+        for blk in range(n_blocks):
+            g, lane = blk // GROUP_BLOCKS, blk % GROUP_BLOCKS
+            o, base = blk * block_bytes, g * group_bytes
+            dst[base + 2 * lane] = src[o]  # f16 d
+            dst[base + 2 * lane + 1] = src[o + 1]
+            if qtype == Q4_1:
+                dst[base + 16 + 2 * lane] = src[o + 2]  # f16 m
+                dst[base + 17 + 2 * lane] = src[o + 3]
+                # qs byte j holds values j (low nibble) and j + 16 (high): byte 4t + k goes to vector t, lane.
+                for j in range(16):
+                    dst[base + 32 + 32 * (j // 4) + 4 * lane + j % 4] = src[o + 4 + j]
+            else:
+                total = 0
+                for j in range(32):
+                    value = src[o + 2 + j]
+                    dst[base + 48 + 32 * (j // 4) + 4 * lane + j % 4] = value
+                    total += np.int32(value) - 256 if value >= 128 else np.int32(value)
+                correction = np.uint32(np.int32(128 * total))  # int32 little-endian, bytes 16 + 4 * lane
+                for k in range(4):
+                    dst[base + 16 + 4 * lane + k] = np.uint8((correction >> np.uint32(8 * k)) & np.uint32(255))
+
+
+def pack_weight(qtype: int, data: np.ndarray) -> np.ndarray:
+    """A Q4_1 or Q8_0 weight's rows (raw GGUF bytes, (N, row_bytes) uint8) rearranged for the row dots, once at
+    load: per group of 8 blocks, Q4_1 as [8 f16 d][8 f16 m][4 x 32 bytes: vector t, lane i = bytes 4t..4t+3 of
+    block i's nibbles], Q8_0 as [8 f16 d][8 int32 128 * sum(q)][8 x 32 bytes: vector u, lane i = values
+    4u..4u+3 of block i]; a partial last group padded with zero blocks. Same size, plus the padding (and Q8_0's
+    corrections)."""
+    n_blocks = data.shape[1] // (20 if qtype == Q4_1 else 34)
+    n_groups = -(-n_blocks // GROUP_BLOCKS)
+    packed = np.zeros((data.shape[0], n_groups * (Q4_1_GROUP if qtype == Q4_1 else Q8_0_GROUP)), np.uint8)
+    _pack_rows(qtype, data, packed, n_blocks)
+    packed.flags.writeable = False
+    return packed
+
+
+# --- activations -----------------------------------------------------------------------------------------
+
+
 @numba.njit(**_KERNEL)
-def _quantize_row(x, xq, xd, xs, n16):
-    """One row: xq = round(x / d) per block of 32 with d = max|x| / 127; xs = d * sum(xq) per block."""
+def _quantize_row(x, xq, xd, xs, n16, flip):
+    """One row: q = round(x / d) per block of 32 with d = max|x| / 127, written in the grouped layout (see
+    `quantize_rows`); xs = d * sum(q) per block."""
     for i in range(x.shape[0] // QK):
         o = i * QK
         amax = np.float32(0.0)
@@ -228,25 +315,27 @@ def _quantize_row(x, xq, xd, xs, n16):
         # A NaN scale makes every product with this block NaN, as the float path would.
         d = amax / np.float32(127.0) + nonfinite
         inv = np.float32(1.0) / d if d > 0 else np.float32(0.0)
+        g, lane = i // GROUP_BLOCKS, i % GROUP_BLOCKS
+        first = g * GROUP_BYTES + 4 * lane
         total = np.int32(0)
         for j in range(2 * n16):
             q = np.int32(np.rint(x[o + j] * inv))
-            xq[o + j] = q
+            xq[first + 32 * (j // 4) + j % 4] = q ^ flip  # flip -128: the byte of q + 128
             total += q
         xd[i] = d
         xs[i] = d * np.float32(total)
 
 
 @numba.njit(parallel=True, **_KERNEL)
-def _quantize_rows_parallel(x, xq, xd, xs, n16):
+def _quantize_rows_parallel(x, xq, xd, xs, n16, flip):
     for b in numba.prange(x.shape[0]):
-        _quantize_row(x[b], xq[b], xd[b], xs[b], n16)
+        _quantize_row(x[b], xq[b], xd[b], xs[b], n16, flip)
 
 
 @numba.njit(**_KERNEL)
-def _quantize_rows_serial(x, xq, xd, xs, n16):
+def _quantize_rows_serial(x, xq, xd, xs, n16, flip):
     for b in range(x.shape[0]):
-        _quantize_row(x[b], xq[b], xd[b], xs[b], n16)
+        _quantize_row(x[b], xq[b], xd[b], xs[b], n16, flip)
 
 
 # Below this many values a decode batch is quantized on the calling thread: waking the pool costs more
@@ -254,31 +343,53 @@ def _quantize_rows_serial(x, xq, xd, xs, n16):
 _PARALLEL_QUANTIZE_MIN = 1 << 15
 
 
-def quantize_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """x float32 (B, K), K a multiple of 32 -> (xq int8 (B, K), xd float32 (B, K/32), xs float32 (B, K/32))."""
+def quantize_rows(x: np.ndarray, offset: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """x float32 (B, K), K a multiple of 32 -> the operands of the row dots: xq int8 (B, G * 256), xd float32
+    (B, G * 8), xs float32 (B, G * 8), G = ceil(K / 256) groups of 8 blocks, the missing blocks of the last
+    group zero. xd and xs are per block in order (d, and d * sum(q)); within a group xq holds 8 vectors of 32
+    bytes, vector u lane i (bytes 4i..4i+3) = values 4u..4u+3 of block i. offset: the bytes hold q + 128 (as
+    uint8) instead of q. `unpack_quantized` gives the plain (B, K) view."""
     batch, k_dim = x.shape
-    xq = np.empty((batch, k_dim), dtype=np.int8)
-    xd = np.empty((batch, k_dim // QK), dtype=np.float32)
-    xs = np.empty((batch, k_dim // QK), dtype=np.float32)
+    n_groups = -(-k_dim // GROUP_BYTES)
+    xq = np.zeros((batch, n_groups * GROUP_BYTES), dtype=np.int8)
+    xd = np.zeros((batch, n_groups * GROUP_BLOCKS), dtype=np.float32)
+    xs = np.zeros((batch, n_groups * GROUP_BLOCKS), dtype=np.float32)
     quantize = _quantize_rows_parallel if x.size >= _PARALLEL_QUANTIZE_MIN else _quantize_rows_serial
-    quantize(x, xq, xd, xs, 16)
+    quantize(x, xq, xd, xs, 16, np.int32(-128 if offset else 0))
     return xq, xd, xs
 
 
+def unpack_quantized(xq: np.ndarray, xd: np.ndarray, xs: np.ndarray, k_dim: int, offset: bool = False
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The layout of `quantize_rows` back in plain order: q int8 (B, K), d and d * sum(q) (B, K / 32)."""
+    batch, n_blocks = xq.shape[0], k_dim // QK
+    if offset:
+        xq = xq ^ np.int8(-128)
+    groups = xq.reshape(batch, -1, 8, GROUP_BLOCKS, 4)  # group, vector u, lane (block), byte
+    plain = groups.transpose(0, 1, 3, 2, 4).reshape(batch, -1)[:, :k_dim]
+    return plain, xd[:, :n_blocks], xs[:, :n_blocks]
+
+
+# --- matmul ----------------------------------------------------------------------------------------------
+
+
 @numba.njit(parallel=True, **_KERNEL)
-def _gemm_int8(qtype, data, xq, xd, xs, out, n_chunks):
+def _gemm_int8(qtype, packed, xq, xd, xs, out, n_chunks):
     """out[b, n] = row_dot(W[n], x[b]) for every pair; rows split into about n_chunks chunks over the threads.
     Each weight row is used for every activation row while it is in L1."""
-    n_rows = data.shape[0]
+    n_rows = packed.shape[0]
     batch = xq.shape[0]
     chunk = (n_rows + n_chunks - 1) // n_chunks
     for c in numba.prange((n_rows + chunk - 1) // chunk):
         start = c * chunk
         end = min(n_rows, start + chunk)
         for n in range(start, end):
-            wrow = data[n]
+            wrow = packed[n]
             b = 0
             if qtype == Q4_1:
+                while b + 8 <= batch:
+                    _q4_1_dot_8(wrow, xq, xd, xs, b, out, n)
+                    b += 8
                 while b + 4 <= batch:
                     _q4_1_dot_4(wrow, xq, xd, xs, b, out, n)
                     b += 4
@@ -286,6 +397,9 @@ def _gemm_int8(qtype, data, xq, xd, xs, out, n_chunks):
                     _q4_1_dot_1(wrow, xq, xd, xs, b, out, n)
                     b += 1
             else:
+                while b + 8 <= batch:
+                    _q8_0_dot_8(wrow, xq, xd, xs, b, out, n)
+                    b += 8
                 while b + 4 <= batch:
                     _q8_0_dot_4(wrow, xq, xd, xs, b, out, n)
                     b += 4
@@ -294,7 +408,32 @@ def _gemm_int8(qtype, data, xq, xd, xs, out, n_chunks):
                     b += 1
 
 
-def matmul(qtype: int, data: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
-    """out = x @ W.T with x quantized to int8 blocks first (see the module docstring); W Q4_1 or Q8_0."""
-    xq, xd, xs = quantize_rows(x)
-    _gemm_int8(qtype, data, xq, xd, xs, out, 4 * numba.get_num_threads())
+def matmul(qtype: int, packed: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
+    """out = x @ W.T with x quantized to int8 blocks first (see the module docstring); W Q4_1 or Q8_0, its rows
+    as `pack_weight` left them."""
+    xq, xd, xs = quantize_rows(x, offset=qtype == Q8_0 and _offset_q8_0(INT8_ISA))
+    _gemm_int8(qtype, packed, xq, xd, xs, out, 4 * numba.get_num_threads())
+
+
+@functools.cache
+def _serial_gemm(isa: str) -> Any:
+    """A one-row-at-a-time gemm on the kernels of another instruction set (not cached on disk), for tests: on a
+    VNNI machine the AVX2 variant runs too, and must give the same bits (the integer sums are exact either way)."""
+    q4_1_dot, q8_0_dot = _make_row_dot(True, 1, isa), _make_row_dot(False, 1, isa)
+
+    @numba.njit(nogil=True, error_model="numpy")
+    def gemm(qtype, packed, xq, xd, xs, out):
+        for n in range(packed.shape[0]):
+            for b in range(xq.shape[0]):
+                if qtype == Q4_1:
+                    q4_1_dot(packed[n], xq, xd, xs, b, out, n)
+                else:
+                    q8_0_dot(packed[n], xq, xd, xs, b, out, n)
+
+    return gemm
+
+
+def matmul_with_isa(isa: str, qtype: int, packed: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
+    """`matmul` on the kernels of `isa` ("vnni" or "avx2"; the CPU must have it), serially; for tests."""
+    xq, xd, xs = quantize_rows(x, offset=qtype == Q8_0 and _offset_q8_0(isa))
+    _serial_gemm(isa)(qtype, packed, xq, xd, xs, out)

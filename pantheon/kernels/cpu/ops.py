@@ -176,17 +176,22 @@ def add_rmsnorm(
 # and loaded from numba's on-disk cache (measured: the parallel one even with the helper inlined), so a
 # server's numbers changed between its first start and its restarts. tests/kernels/test_ops.py checks
 # fresh == cached for every op in child processes.
-@numba.njit(cache=True, nogil=True, error_model="numpy", inline="always")
-def _rope_token(x, positions, n_rot, freq_base, neox, freq_scale, cos_row, sin_row, t):
-    half = n_rot // 2
+@numba.njit(cache=True, nogil=True, error_model="numpy")
+def _rope_angles(positions, n_rot, freq_base, freq_scale, cos_table, sin_table):
     # Angles and their sin/cos are computed in float64: at position 5000 a float32 angle is off by ~3e-4 rad,
-    # which would show as a 3e-4 relative error in q and k. They are shared by all heads of the token.
-    # Each angle straight from its exponent: no rounding accumulates along the pairs.
-    base = np.float64(positions[t]) * freq_scale
-    for i in range(half):
-        theta = base * freq_base ** (-2.0 * i / n_rot)
-        cos_row[i] = np.float32(np.cos(theta))
-        sin_row[i] = np.float32(np.sin(theta))
+    # which would show as a 3e-4 relative error in q and k. Each angle straight from its exponent: no rounding
+    # accumulates along the pairs.
+    for t in range(positions.shape[0]):
+        base = np.float64(positions[t]) * freq_scale
+        for i in range(n_rot // 2):
+            theta = base * freq_base ** (-2.0 * i / n_rot)
+            cos_table[t, i] = np.float32(np.cos(theta))
+            sin_table[t, i] = np.float32(np.sin(theta))
+
+
+@numba.njit(cache=True, nogil=True, error_model="numpy", inline="always")
+def _rope_token(x, neox, cos_row, sin_row, t):
+    half = cos_row.shape[0]
     for h in range(x.shape[1]):
         head = x[t, h]
         if neox:
@@ -204,19 +209,35 @@ def _rope_token(x, positions, n_rot, freq_base, neox, freq_scale, cos_row, sin_r
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
-def _rope_serial(x, positions, n_rot, freq_base, neox, freq_scale):
-    cos_row = np.empty(n_rot // 2, dtype=np.float32)
-    sin_row = np.empty(n_rot // 2, dtype=np.float32)
+def _rope_serial(x, neox, cos_table, sin_table):
     for t in range(x.shape[0]):
-        _rope_token(x, positions, n_rot, freq_base, neox, freq_scale, cos_row, sin_row, t)
+        _rope_token(x, neox, cos_table[t], sin_table[t], t)
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy", parallel=True)
-def _rope_parallel(x, positions, n_rot, freq_base, neox, freq_scale):
-    cos_table = np.empty((x.shape[0], n_rot // 2), dtype=np.float32)
-    sin_table = np.empty((x.shape[0], n_rot // 2), dtype=np.float32)
+def _rope_parallel(x, neox, cos_table, sin_table):
     for t in prange(x.shape[0]):
-        _rope_token(x, positions, n_rot, freq_base, neox, freq_scale, cos_table[t], sin_table[t], t)
+        _rope_token(x, neox, cos_table[t], sin_table[t], t)
+
+
+# The last few angle tables, by (positions, n_rot, base, scale): q and k of every layer of a forward pass turn
+# by the same angles, so a step computes its sin/cos once instead of twice per layer.
+_ANGLE_TABLES: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+_ANGLE_TABLES_KEPT = 4
+
+
+def _angle_tables(positions: np.ndarray, n_rot: int, freq_base: float, freq_scale: float
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    key = (positions.tobytes(), positions.dtype.str, n_rot, freq_base, freq_scale)
+    tables = _ANGLE_TABLES.get(key)
+    if tables is None:
+        half = n_rot // 2
+        tables = (np.empty((len(positions), half), np.float32), np.empty((len(positions), half), np.float32))
+        _rope_angles(positions, n_rot, freq_base, freq_scale, *tables)
+        if len(_ANGLE_TABLES) >= _ANGLE_TABLES_KEPT:
+            _ANGLE_TABLES.clear()  # threads may race here: the worst is a recompute
+        _ANGLE_TABLES[key] = tables
+    return tables
 
 
 def rope_inplace(
@@ -236,10 +257,34 @@ def rope_inplace(
     """
     if n_rot % 2 or not 0 < n_rot <= x.shape[2]:
         raise ValueError(f"n_rot must be even and in (0, head_dim={x.shape[2]}], got {n_rot}")
+    if len(positions) != x.shape[0]:
+        raise ValueError(f"rope: {len(positions)} positions for {x.shape[0]} rows")
+    cos_table, sin_table = _angle_tables(np.asarray(positions), n_rot, float(freq_base), float(freq_scale))
     if x.shape[0] >= ROPE_PARALLEL_MIN_TOKENS:
-        _rope_parallel(x, positions, n_rot, float(freq_base), bool(neox), float(freq_scale))
+        _rope_parallel(x, bool(neox), cos_table, sin_table)
     else:
-        _rope_serial(x, positions, n_rot, float(freq_base), bool(neox), float(freq_scale))
+        _rope_serial(x, bool(neox), cos_table, sin_table)
+
+
+# --- kv cache ------------------------------------------------------------------------------------------
+
+
+@numba.njit(cache=True, nogil=True, error_model="numpy")
+def _kv_write_kernel(pool, slots, positions, values):
+    for t in range(values.shape[0]):
+        if not (0 <= slots[t] < pool.shape[0] and 0 <= positions[t] < pool.shape[1]):
+            raise IndexError("kv_write: slot or position outside the KV cache")
+    for t in range(values.shape[0]):
+        pool[slots[t], positions[t]] = values[t]
+
+
+def kv_write(pool: np.ndarray, slots: np.ndarray, positions: np.ndarray, values: np.ndarray) -> None:
+    """pool[slots[t], positions[t]] = values[t] for each row t: pool (S, ctx, Hkv, hd), values (T, Hkv, hd).
+    One kernel call instead of numpy's fancy-index assignment (~5 us a call, two calls per layer per step)."""
+    if values.shape[1:] != pool.shape[2:] or not len(slots) == len(positions) == len(values):
+        raise ValueError(f"kv_write: values {values.shape} into a pool {pool.shape} with {len(slots)} slots, "
+                         f"{len(positions)} positions")
+    _kv_write_kernel(pool, np.asarray(slots), np.asarray(positions), values)
 
 
 # --- swiglu --------------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ The kernels release the GIL (`nogil`) and run on numba's thread pool (`parallel`
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numba
@@ -96,6 +97,12 @@ class QWeight:
     def nbytes(self) -> int:
         return self.data.nbytes
 
+    @functools.cached_property
+    def int8_packed(self) -> np.ndarray:
+        """The rows rearranged for the int8 kernels (`int8dot.pack_weight`), built on first use (the load's
+        warm-up forward) and kept; Q4_1 and Q8_0 only. Two threads racing here build the same array twice."""
+        return int8dot.pack_weight(self.qtype, self.data)
+
 
 def prepare_weight(raw: np.ndarray, qtype: int, rows: int, cols: int) -> QWeight:
     """Wrap a tensor's bytes (as GGUFReader gives them) as a QWeight, without copying.
@@ -154,7 +161,7 @@ def matmul(w: QWeight, x: np.ndarray, out: np.ndarray | None = None, *, int8: bo
     if batch == 0:
         return out
     if int8 and int8dot.INT8_ISA is not None and w.qtype in int8dot.INT8_TYPES:
-        int8dot.matmul(w.qtype, w.data, x, out)
+        int8dot.matmul(w.qtype, w.int8_packed, x, out)
     else:
         _gemm_rows(w.qtype, w.data, x, out, _N16, 4 * numba.get_num_threads())
     return out
