@@ -7,14 +7,14 @@ block in float32. One VNNI instruction (`vpdpbusd`) does 32 such products and pa
 
 Numba compiles without LLVM's SLP vectorizer and types integer arithmetic as int64, so these loops cannot be
 written as numba Python and vectorize. `_make_row_dot` therefore builds intrinsics that emit the whole loop
-over a row's blocks as LLVM IR on 256-bit vectors. The unit of work is a group of 8 blocks (256 values):
-two blocks share a vector of 32 weights (the low nibbles of both, then the high nibbles), their int32 partial
-sums come out of two `vpdpbusd`, and three `vphaddd` turn a group's four pair vectors into one vector holding
-each block's exact integer sum in a lane; one conversion and one fma then scale all eight blocks at once (and
-a second fma adds Q4_1's m terms). That is about 2.5 instructions per block and activation row, where
-scaling each block on its own took 8. `quantize_rows` writes the activations in exactly that order (see its
-docstring), so the row side only loads. Up to 8 activation rows share each weight group's loads and
-unpacking; a row's arithmetic is the same whatever the number of rows (batch invariance).
+over a row's blocks as LLVM IR on 256-bit vectors. The unit of work is a group of 8 blocks (256 values) laid
+side by side: weight vector u holds values 4u..4u+3 of each of the 8 blocks (one 32-bit lane per block), and
+so does activation vector u, so 8 `vpdpbusd` leave each block's exact integer sum in its own lane with no
+reduction; one conversion and one fma then scale all eight blocks at once (and a second fma adds Q4_1's m
+terms): about 1.6 instructions per block and activation row, where scaling each block on its own took 8.
+The weights are rearranged into that layout once (`pack_weight`, same size: `QWeight.int8_packed`), the
+activations by `quantize_rows`. Up to 8 activation rows share each weight group's loads and unpacking; a
+row's float arithmetic is the same whatever the number of rows (batch invariance).
 
 The instruction set is fixed when this module is imported (`INT8_ISA`): VNNI where the CPU has it
 (AVX512-VNNI with VL, the path tested here on Zen 4, or AVX-VNNI), else AVX2's `vpmaddubsw` + `vpmaddwd`
@@ -34,7 +34,6 @@ on (q_x + 128) * q_w.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
 from typing import Any
 
 import llvmlite.binding as llvm_binding
