@@ -1,0 +1,12 @@
+"""The cpu backend's numba kernels.
+
+numba's threading layer is chosen here, before any parallel kernel runs: OpenMP first. Measured on the 2-core
+test VM (`bench/concurrency.py --levels 1,8`, 2026-11-29): omp 146 tok/s single-stream over HTTP and 405 with 8
+streams; workqueue 43 and 211 (its threads sleep between launches, and a decode step launches a few hundred
+kernels); tbb is not installed there and untested, so it comes after omp instead of numba's default first.
+NUMBA_THREADING_LAYER, when set, still wins.
+"""
+
+import numba
+
+numba.config.THREADING_LAYER_PRIORITY = ["omp", "tbb", "workqueue"]
