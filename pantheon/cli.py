@@ -147,9 +147,10 @@ def _serve(args: argparse.Namespace, model_specs: list[tuple[str, list[str]]]) -
                            drain_timeout_s=args.drain_timeout, session_dir=args.session_dir, env=env)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # The forward pass runs in a worker thread that needs the GIL back after every kernel (a few hundred times
-    # a step) while the event loop formats and sends tokens. With Python's default 5 ms switch interval the
-    # worker can wait that long each time the loop holds the GIL; 0.2 ms measured 8-stream decode ~10-15%
-    # faster over HTTP on 2 cores (bench/concurrency.py), single-stream unchanged.
+    # a step) while the event loop formats and sends tokens; with Python's default 5 ms switch interval it can
+    # wait that long whenever the loop holds the GIL. On the 2-core test VM, 8-stream decode over HTTP measured
+    # 400-419 tok/s at 5 ms and 411-494 at 0.2 ms (bench/concurrency.py --levels 1,8): inside that machine's
+    # noise, so this is a bound on the worst wait, not a measured speed-up. Single-stream was unchanged.
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     failed: list[BaseException] = []
     try:

@@ -22,6 +22,7 @@ import openai
 import orjson
 import pytest
 
+from tests.e2e_util import endless
 from tests.server_process import ServerProcess
 
 pytestmark = pytest.mark.slow
@@ -744,11 +745,8 @@ def test_openai_client_n_and_logprobs(smollm_server: ServerProcess, baseline: di
 # -- disconnects and connection handling ------------------------------------------------------------------
 
 def _endless(vocab: dict[bytes, int], max_tokens: int) -> dict[str, Any]:
-    """A request that cannot end by itself for minutes: end tokens forbidden, sampled with a frequency penalty
-    (so it does not loop: at temperature 0.8 alone SmolLM2 falls into a loop within a few thousand tokens)."""
-    forbid = {str(vocab[t]): -100 for t in (b"<|im_end|>", b"<|endoftext|>")}
-    return {**LONG, "temperature": 0.8, "seed": 1, "frequency_penalty": 0.5, "max_tokens": max_tokens,
-            "logit_bias": forbid}
+    """e2e_util.endless with the end tokens' ids taken from the vocabulary fixture."""
+    return endless({t: vocab[t.encode()] for t in ("<|im_end|>", "<|endoftext|>")}, max_tokens)
 
 
 def _content_lines(lines: Iterator[str], count: int) -> int:

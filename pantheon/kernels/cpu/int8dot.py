@@ -342,20 +342,32 @@ def _quantize_rows_serial(x, xq, xd, xs, n16, flip):
 _PARALLEL_QUANTIZE_MIN = 1 << 15
 
 
+@numba.njit(**_KERNEL)
+def _quantize(x, flip):
+    batch, k_dim = x.shape
+    n_groups = (k_dim + GROUP_BYTES - 1) // GROUP_BYTES
+    xq = np.zeros((batch, n_groups * GROUP_BYTES), dtype=np.int8)
+    xd = np.zeros((batch, n_groups * GROUP_BLOCKS), dtype=np.float32)
+    xs = np.zeros((batch, n_groups * GROUP_BLOCKS), dtype=np.float32)
+    if x.size >= _PARALLEL_QUANTIZE_MIN:
+        _quantize_rows_parallel(x, xq, xd, xs, 16, flip)
+    else:
+        _quantize_rows_serial(x, xq, xd, xs, 16, flip)
+    return xq, xd, xs
+
+
+def _flip(qtype: int, isa: str | None) -> np.int32:
+    """The xor that `_quantize_row` applies to each byte: -128 makes it q + 128 (offset Q8_0), 0 leaves q."""
+    return np.int32(-128 if qtype == Q8_0 and _offset_q8_0(isa) else 0)
+
+
 def quantize_rows(x: np.ndarray, offset: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """x float32 (B, K), K a multiple of 32 -> the operands of the row dots: xq int8 (B, G * 256), xd float32
     (B, G * 8), xs float32 (B, G * 8), G = ceil(K / 256) groups of 8 blocks, the missing blocks of the last
     group zero. xd and xs are per block in order (d, and d * sum(q)); within a group xq holds 8 vectors of 32
     bytes, vector u lane i (bytes 4i..4i+3) = values 4u..4u+3 of block i. offset: the bytes hold q + 128 (as
     uint8) instead of q. `unpack_quantized` gives the plain (B, K) view."""
-    batch, k_dim = x.shape
-    n_groups = -(-k_dim // GROUP_BYTES)
-    xq = np.zeros((batch, n_groups * GROUP_BYTES), dtype=np.int8)
-    xd = np.zeros((batch, n_groups * GROUP_BLOCKS), dtype=np.float32)
-    xs = np.zeros((batch, n_groups * GROUP_BLOCKS), dtype=np.float32)
-    quantize = _quantize_rows_parallel if x.size >= _PARALLEL_QUANTIZE_MIN else _quantize_rows_serial
-    quantize(x, xq, xd, xs, 16, np.int32(-128 if offset else 0))
-    return xq, xd, xs
+    return _quantize(x, np.int32(-128 if offset else 0))
 
 
 def unpack_quantized(xq: np.ndarray, xd: np.ndarray, xs: np.ndarray, k_dim: int, offset: bool = False
@@ -407,11 +419,17 @@ def _gemm_int8(qtype, packed, xq, xd, xs, out, n_chunks):
                     b += 1
 
 
+@numba.njit(**_KERNEL)
+def _matmul(qtype, packed, x, out, flip, n_chunks):
+    xq, xd, xs = _quantize(x, flip)
+    _gemm_int8(qtype, packed, xq, xd, xs, out, n_chunks)
+
+
 def matmul(qtype: int, packed: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
     """out = x @ W.T with x quantized to int8 blocks first (see the module docstring); W Q4_1 or Q8_0, its rows
-    as `pack_weight` left them."""
-    xq, xd, xs = quantize_rows(x, offset=qtype == Q8_0 and _offset_q8_0(INT8_ISA))
-    _gemm_int8(qtype, packed, xq, xd, xs, out, 4 * numba.get_num_threads())
+    as `pack_weight` left them. One compiled call: the quantization's buffers and launch add nothing from
+    Python to a decode step's few hundred matmuls."""
+    _matmul(qtype, packed, x, out, _flip(qtype, INT8_ISA), 4 * numba.get_num_threads())
 
 
 @functools.cache
@@ -434,5 +452,4 @@ def _serial_gemm(isa: str) -> Any:
 
 def matmul_with_isa(isa: str, qtype: int, packed: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
     """`matmul` on the kernels of `isa` ("vnni" or "avx2"; the CPU must have it), serially; for tests."""
-    xq, xd, xs = quantize_rows(x, offset=qtype == Q8_0 and _offset_q8_0(isa))
-    _serial_gemm(isa)(qtype, packed, xq, xd, xs, out)
+    _serial_gemm(isa)(qtype, packed, *_quantize(x, _flip(qtype, isa)), out)
