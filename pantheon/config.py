@@ -67,8 +67,9 @@ class EnvKnobs:
     # Host memory that model admission may plan against; 0 = the MemAvailable reading at load time.
     host_budget_bytes: int = 0
     # PANTHEON_CPU_INT8 unset or 1 (the default): the cpu backend multiplies Q4_1 / Q8_0 weights of
-    # llama-family models with int8-quantized activations (llama.cpp's arithmetic, ~1.7x faster decode) where
-    # the CPU has the instructions; 0: float32 activations (exact arithmetic on the stored weights).
+    # llama-family models with int8-quantized activations and a float16 KV cache (llama.cpp's arithmetic,
+    # ~1.7x faster decode) where the CPU has the instructions; 0: float32 activations and KV cache (exact
+    # arithmetic on the stored weights).
     cpu_int8: bool = True
 
     @property

@@ -327,7 +327,9 @@ def test_sigterm_drains_in_flight_streams_and_exits_0(default_model_path: Path, 
                                                       end_ids: dict[str, int]) -> None:
     server = start_server(default_model_path, tmp_path, "--max-concurrent", "2", "--drain-timeout", "300")
     try:
-        body = {**endless(end_ids, 40), "stream_options": {"include_usage": True}}
+        # Long enough (several seconds) to be still decoding when the 503s below are checked: 40 tokens once
+        # finished, drained and exited within the 0.3 s wait.
+        body = {**endless(end_ids, 600), "stream_options": {"include_usage": True}}
         a = Streamer(server, body).start()
         b = Streamer(server, {**body, "seed": 7}).start()
         with streams(a, b):
@@ -345,7 +347,7 @@ def test_sigterm_drains_in_flight_streams_and_exits_0(default_model_path: Path, 
         for res in (ra, rb):
             assert res.exception is None and res.done, res
             assert res.finish_reason == "length", res
-            assert res.usage and res.usage["completion_tokens"] == 40, res.usage
+            assert res.usage and res.usage["completion_tokens"] == 600, res.usage
         assert server.wait(60) == 0, server.log_tail()
     finally:
         server.stop()

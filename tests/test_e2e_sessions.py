@@ -441,6 +441,33 @@ def test_blob_from_other_weights_is_409(tmp_path: Path) -> None:
         b.stop()
 
 
+def test_blob_restores_across_kv_precisions(tmp_path: Path) -> None:
+    """The same weights served with a float32 KV cache (PANTHEON_CPU_INT8=0) and a float16 one (the default):
+    a blob exported from either restores into the other, converted to its precision, and the session goes on
+    from the restored tokens."""
+    from tests.tiny_models import write_tiny_llama
+
+    model = write_tiny_llama(tmp_path / "tiny.gguf", seed=0)
+    home = {"PANTHEON_HOME": str(tmp_path / "home")}
+    f32 = start_server(model, tmp_path / "log-f32", "--max-sessions", "2", env={**home, "PANTHEON_CPU_INT8": "0"})
+    f16 = start_server(model, tmp_path / "log-f16", "--max-sessions", "2", env=home)
+    try:
+        for source, target in ((f32, f16), (f16, f32)):
+            sid = new_id("precision")
+            chat(source, req(FRANCE, max_tokens=4, session_id=sid))
+            snap = exported(source, sid)
+            r = restore(target, {"session_id": sid, "blob": snap["blob_b64"], "tokens": snap["tokens"]})
+            assert r.status_code == 200, r.text
+            again = exported(target, sid)
+            assert again["tokens"] == snap["tokens"] and again["blob_b64"] != snap["blob_b64"]  # converted
+            turn = chat(target, req(FRANCE, max_tokens=4, session_id=sid))
+            assert cached_of(turn) > 0
+            release(target, {"session_id": sid})
+    finally:
+        f32.stop()
+        f16.stop()
+
+
 def test_export_errors(server: ServerProcess, end_ids: dict[str, int]) -> None:
     assert_error(export(server, "no-such-session"), 404, "session_not_found")
     assert_error(export(server, None), 400, "invalid_request_error")

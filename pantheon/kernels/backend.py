@@ -30,6 +30,7 @@ def checked_row_run(rows: np.ndarray, n_rows: int) -> tuple[np.ndarray, int | No
 class Backend(Protocol):
     name: str  # "cpu" | "cuda"
     accelerator: bool  # True when forward passes run on an accelerator
+    kv_dtype: np.dtype  # element type of the KV caches models allocate (float32, or float16 on the cpu int8 path)
 
     # -- weights and memory --------------------------------------------------------------------------------
     def weight(self, gguf: GGUFFile, name: str) -> Any:
@@ -87,6 +88,12 @@ class Backend(Protocol):
 
     def kv_write(self, pool: Array, slots: Array, positions: Array, values: Array) -> None:
         """pool[slots[t], positions[t]] = values[t] for every token t; pool is (S, ctx, H, hd)."""
+
+    # Optional fused forms (the cpu backend has them; model code falls back to split_cols and the ops above):
+    #   rope_qkv_into_cache(qkv, n_q_heads, k_pool, v_pool, slots, positions, n_rot, freq_base, neox,
+    #                       freq_scale) -> q: the stacked q|k|v projection split, q and k rotated, k and v
+    #                       written to the caches, q returned (T, Hq, hd);
+    #   swiglu_stacked(gate_up) -> silu(gate) * up of the stacked gate|up projection (T, 2F).
 
     def attention(self, q: Array, k_pool: Array, v_pool: Array, slot: int, start_pos: int, scale: float,
                   out: Array | None = None) -> Array:

@@ -88,7 +88,7 @@ def _stacked(gguf: GGUFFile, backend: Any, names: list[str]) -> Any:
 
 @dataclass
 class KVState:
-    """Per-layer K and V for every slot: (n_slots, ctx_cap, n_kv_heads, head_dim) float32."""
+    """Per-layer K and V for every slot: (n_slots, ctx_cap, n_kv_heads, head_dim) of the backend's kv_dtype."""
 
     k: list[np.ndarray]
     v: list[np.ndarray]
@@ -101,12 +101,16 @@ class KVState:
 
 class LlamaModel:
     architecture = "llama"
-    state_dtype = np.dtype(np.float32)
 
     def __init__(self, config: LlamaConfig, backend: Any, tok_embd: Any, blocks: list[LlamaBlock],
                  output_norm: np.ndarray, output: Any) -> None:
         self.config = config
         self.backend = backend
+        # The element type of the KV cache, and so of a session blob's arrays.
+        self.state_dtype = np.dtype(backend.kv_dtype)
+        # Backends with the fused kernels for the stacked projections (`rope_qkv_into_cache`, `swiglu_stacked`)
+        # run each in one call instead of a split and several ops.
+        self._fused_ops = hasattr(backend, "rope_qkv_into_cache") and hasattr(backend, "swiglu_stacked")
         self.tok_embd = tok_embd
         self.blocks = blocks
         self.output_norm = output_norm
@@ -163,8 +167,8 @@ class LlamaModel:
     def new_state(self, n_slots: int, ctx_cap: int) -> KVState:
         c, be = self.config, self.backend
         shape = (n_slots, ctx_cap, c.n_kv_heads, c.head_dim)
-        return KVState(k=[be.zeros(shape) for _ in range(c.n_layers)],
-                       v=[be.zeros(shape) for _ in range(c.n_layers)], ctx_cap=ctx_cap)
+        return KVState(k=[be.zeros(shape, self.state_dtype) for _ in range(c.n_layers)],
+                       v=[be.zeros(shape, self.state_dtype) for _ in range(c.n_layers)], ctx_cap=ctx_cap)
 
     def state_dims(self) -> dict[str, int]:
         """The geometry a session blob must match to be restored into this model."""
@@ -199,7 +203,7 @@ class LlamaModel:
 
     def kv_bytes_per_token(self) -> int:
         c = self.config
-        return 2 * c.n_layers * c.n_kv_heads * c.head_dim * 4
+        return 2 * c.n_layers * c.n_kv_heads * c.head_dim * self.state_dtype.itemsize
 
     # -- forward -------------------------------------------------------------------------------------------
     def forward(self, state: KVState, batch: list[BatchRow]) -> np.ndarray:
@@ -222,18 +226,23 @@ class LlamaModel:
         x = be.embed(self.tok_embd, tokens)
         h = be.rmsnorm(x, self.blocks[0].attn_norm, c.rms_eps)
         for li, blk in enumerate(self.blocks):
-            if blk.w_qkv is not None:
-                q, k, v = be.split_cols(be.matmul(blk.w_qkv, h), (q_dim, kv_dim, kv_dim))
-            else:
-                q, k, v = be.matmul(blk.wq, h), be.matmul(blk.wk, h), be.matmul(blk.wv, h)
-            q = q.reshape(n_tok, c.n_heads, c.head_dim)
-            k = k.reshape(n_tok, c.n_kv_heads, c.head_dim)
-            v = v.reshape(n_tok, c.n_kv_heads, c.head_dim)
-            be.rope_inplace(q, positions, c.rope_dim, c.rope_base, False, c.rope_scale)
-            be.rope_inplace(k, positions, c.rope_dim, c.rope_base, False, c.rope_scale)
             k_pool, v_pool = state.k[li], state.v[li]
-            be.kv_write(k_pool, token_slots, positions, k)
-            be.kv_write(v_pool, token_slots, positions, v)
+            if blk.w_qkv is not None and self._fused_ops:
+                # Split, rotated and written to the caches in one kernel.
+                q = be.rope_qkv_into_cache(be.matmul(blk.w_qkv, h), c.n_heads, k_pool, v_pool, token_slots,
+                                           positions, c.rope_dim, c.rope_base, False, c.rope_scale)
+            else:
+                if blk.w_qkv is not None:
+                    q, k, v = be.split_cols(be.matmul(blk.w_qkv, h), (q_dim, kv_dim, kv_dim))
+                else:
+                    q, k, v = be.matmul(blk.wq, h), be.matmul(blk.wk, h), be.matmul(blk.wv, h)
+                q = q.reshape(n_tok, c.n_heads, c.head_dim)
+                k = k.reshape(n_tok, c.n_kv_heads, c.head_dim)
+                v = v.reshape(n_tok, c.n_kv_heads, c.head_dim)
+                be.rope_inplace(q, positions, c.rope_dim, c.rope_base, False, c.rope_scale)
+                be.rope_inplace(k, positions, c.rope_dim, c.rope_base, False, c.rope_scale)
+                be.kv_write(k_pool, token_slots, positions, k)
+                be.kv_write(v_pool, token_slots, positions, v)
             if decode_only:
                 # One token per sequence: one batched launch over (sequence, head).
                 attn = be.attention_decode_batch(q, k_pool, v_pool, positions, scale, slot_ids=token_slots)
@@ -243,7 +252,9 @@ class LlamaModel:
                     be.attention(q[a:b], k_pool, v_pool, row.slot, row.start_pos, scale, out=attn[a:b])
             o = be.matmul(blk.wo, attn.reshape(n_tok, c.n_heads * c.head_dim))
             be.add_rmsnorm(x, o, blk.ffn_norm, c.rms_eps, h)
-            if blk.w_gate_up is not None:
+            if blk.w_gate_up is not None and self._fused_ops:
+                ff = be.swiglu_stacked(be.matmul(blk.w_gate_up, h))
+            elif blk.w_gate_up is not None:
                 ff = be.swiglu(*be.split_cols(be.matmul(blk.w_gate_up, h), (c.ffn_dim, c.ffn_dim)))
             else:
                 ff = be.swiglu(be.matmul(blk.w_gate, h), be.matmul(blk.w_up, h))

@@ -77,16 +77,24 @@ async def restore_session(scheduler: Scheduler, session_id: str, blob: bytes, to
         raise _bad_blob(f"the blob holds {n} tokens; this model's context window is {scheduler.kv_cap}")
     expected = model.slot_layout(n)
     got = [(name, tuple(a.shape)) for name, a in snap.arrays]
-    if got != expected or any(a.dtype != model.state_dtype for _, a in snap.arrays):
+    if got != expected or any(a.dtype.kind != "f" for _, a in snap.arrays):
         raise _bad_blob("the blob's state arrays do not fit this model")
+
     if any(t < 0 or t >= model.vocab_size for t in tokens):
         raise _bad_blob("the blob's tokens are outside this model's vocabulary")
     slot = scheduler.sessions.install(session_id, tokens)
     if slot is None:
         raise ApiError(429, "model_at_session_capacity", "no free session slot to restore into",
                        headers={"Retry-After": "30"})
+
+    def write() -> None:
+        # A blob saved with another KV precision (float32 vs float16: PANTHEON_CPU_INT8, or another backend)
+        # is converted to this model's, as its own prefill would have rounded it.
+        arrays = [(name, a.astype(model.state_dtype, copy=False)) for name, a in snap.arrays]
+        model.write_slot(scheduler.state, slot.index, arrays, n)
+
     try:
-        await trio.to_thread.run_sync(model.write_slot, scheduler.state, slot.index, snap.arrays, n)
+        await trio.to_thread.run_sync(write)
     except BaseException:
         scheduler.sessions.finish(slot, keep=False)
         raise

@@ -40,12 +40,23 @@ def main() -> None:
         rotated = q[:n].copy()
         ops.rope_inplace(rotated, np.arange(100, 100 + n, dtype=np.int32), 64, 10000.0, False)
         out[f"rope{n}"] = digest(rotated)
+    for n in (40, 3):  # the fused split + rope + cache write, parallel and serial, into a float16 cache
+        qkv = rng.standard_normal((n, 15 * 64)).astype(np.float32)
+        k_pool, v_pool = np.zeros((2, 2, 64, 3, 64), dtype=np.float16)
+        slots, positions = np.zeros(n, np.int32), np.arange(n, dtype=np.int32)
+        rotated = ops.rope_qkv_into_cache(qkv, 9, k_pool, v_pool, slots, positions, 64, 10000.0, False)
+        decoded = ops.attention_decode_batch(rotated[-1:], k_pool, v_pool, positions[-1:], 0.125,
+                                             slot_ids=slots[:1])
+        out[f"qkv{n}"] = digest(rotated) + digest(k_pool) + digest(v_pool) + digest(decoded)
+    out["swiglu_stacked"] = digest(ops.swiglu_stacked(np.concatenate([gate, up], axis=1)))
     for qtype in (3, 8, 12):  # Q4_1, Q8_0, Q4_K
         weight = quant.prepare_weight(reference.random_weight_bytes(qtype, 64, 768, rng), qtype, 64, 768)
         xs = rng.standard_normal((9, 768)).astype(np.float32)
         out[f"matmul{qtype}"] = digest(quant.matmul(weight, xs))
         if int8dot.INT8_ISA is not None and qtype in int8dot.INT8_TYPES:
             out[f"int8_{qtype}"] = digest(quant.matmul(weight, xs, int8=True))
+            prefill = rng.standard_normal((48, 768)).astype(np.float32)  # quantized on all threads
+            out[f"int8_{qtype}_prefill"] = digest(quant.matmul(weight, prefill, int8=True))
     # The hybrid models' kernels (conv, delta rule chunked and recurrent, gated norm, MoE) through whole forwards.
     for name in ("qwen35", "qwen35moe"):
         model = load_model(open_gguf(FIXTURES / f"{name}.gguf", None), CpuBackend())

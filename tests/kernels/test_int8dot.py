@@ -130,13 +130,26 @@ def test_backend_switch() -> None:
     assert not np.array_equal(quant.matmul(w, x, int8=True), quant.matmul(w, x))
 
 
-def test_nan_in_activations_propagates() -> None:
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_a_non_finite_activation_makes_its_row_nan(bad: float) -> None:
     w = weight(Q4_1, 8, 64)
     x = activations(2, 64)
-    x[1, 5] = np.nan
+    x[1, 5] = bad
     out = quant.matmul(w, x, int8=True)
     assert np.isfinite(out[0]).all()
     assert np.isnan(out[1]).all()
+
+
+def test_quantize_rows_of_a_prefill_batch_match_reference() -> None:
+    """Past `_PARALLEL_QUANTIZE_MIN` values the rows are quantized on all threads: same bytes."""
+    x = activations(70, 576)
+    assert x.size >= int8dot._PARALLEL_QUANTIZE_MIN
+    x[3, :32] = np.arange(32, dtype=np.float32) + np.float32(0.5)  # halves: rounding ties, to even
+    x[3, 31] = 127.0  # so that the block's scale is exactly 1
+    xq, xd, _ = int8dot.unpack_quantized(*int8dot.quantize_rows(x), 576)
+    q, d = reference.quantize_rows_q8(x)
+    assert np.array_equal(xq, q) and np.array_equal(xd, d)
+    assert xd[3, 0] == 1.0 and list(xq[3, :4]) == [0, 2, 2, 4]
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=["Q4_1", "Q8_0"])

@@ -151,6 +151,87 @@ def test_kv_write_matches_numpy_assignment_and_checks_bounds():
         ops.kv_write(pool, slots, positions, random(rng, (3, 2, 4)))
 
 
+def test_kv_write_into_a_float16_pool_rounds_like_numpy():
+    rng = np.random.default_rng(15)
+    pool = np.zeros((2, 6, 2, 8), dtype=np.float16)
+    values = random(rng, (3, 2, 8), scale=3.0)
+    values[0, 0, :4] = [1.0 + 2.0**-11, 1.0 + 3 * 2.0**-11, 70000.0, -1e-9]  # ties to even, overflow, underflow
+    values[0, 1, 0] = np.nan
+    slots, positions = np.array([1, 0, 1], dtype=np.int32), np.array([5, 0, 2], dtype=np.int32)
+    ops.kv_write(pool, slots, positions, values)
+    expected = np.zeros_like(pool)
+    with np.errstate(over="ignore"):
+        expected[slots, positions] = values.astype(np.float16)
+    np.testing.assert_array_equal(pool, expected)
+    assert pool[1, 5, 0, 0] == 1.0 and pool[1, 5, 0, 1] == np.float16(1.0 + 2.0**-9) and np.isinf(pool[1, 5, 0, 2])
+
+
+@pytest.mark.parametrize("heads", HEAD_LAYOUTS)
+def test_attention_over_float16_caches(heads):
+    """A float16 cache is read as the float32 values it rounds to; the queries are rounded to float16 for the
+    dot products and the softmax weights for the products with the values (llama.cpp's arithmetic), by
+    prefill and decode alike. Against float32 arithmetic on the rounded q, K and V that moves the output by
+    ~1.5e-4 of its scale (float16 keeps 11 bits)."""
+    n_q_heads, n_kv_heads = heads
+    rng = np.random.default_rng(n_q_heads + 40)
+    n_tokens, start_pos = 37, 90
+    k, v = kv_cache(rng, 140, n_kv_heads, 64, start_pos + n_tokens)
+    k16, v16 = k.astype(np.float16), v.astype(np.float16)
+    k32, v32 = k16.astype(np.float32), v16.astype(np.float32)
+    q = random(rng, (n_tokens, n_q_heads, 64))
+    q32 = q.astype(np.float16).astype(np.float32)
+    prefill = ops.attention(q, k16, v16, start_pos, 0.125)
+    exact = ref.attention(q32, k32, v32, start_pos, 0.125)
+    assert_close(prefill, exact, rel=5e-4)
+    assert not np.array_equal(prefill, ops.attention(q32, k32, v32, start_pos, 0.125))  # the weights were rounded
+    positions = np.arange(start_pos, start_pos + n_tokens, dtype=np.int32)
+    slots = np.zeros(n_tokens, dtype=np.int32)
+    decode = ops.attention_decode_batch(q, k16[None], v16[None], positions, 0.125, slot_ids=slots)
+    assert_close(decode, prefill, rel=1e-6)
+
+
+@pytest.mark.parametrize("n_tokens", [1, 8, 40])
+@pytest.mark.parametrize("kv_dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("neox", [False, True])
+@pytest.mark.parametrize("n_rot", [64, 32])
+def test_rope_qkv_into_cache_equals_split_rope_and_kv_write(n_tokens, kv_dtype, neox, n_rot):
+    """The fused kernel gives the bits of the ops it replaces: split, rope of q and k, kv_write of k and v."""
+    n_q, n_kv, head_dim = 9, 3, 64
+    rng = np.random.default_rng(n_tokens + n_rot + neox)
+    qkv = random(rng, (n_tokens, (n_q + 2 * n_kv) * head_dim))
+    slots = rng.integers(0, 4, n_tokens).astype(np.int32)
+    positions = (np.arange(n_tokens) * 3 + 5).astype(np.int32)
+    k_pool = np.full((4, 128, n_kv, head_dim), np.nan, dtype=kv_dtype)
+    v_pool = k_pool.copy()
+    expected_k, expected_v = k_pool.copy(), v_pool.copy()
+    q = ops.rope_qkv_into_cache(qkv, n_q, k_pool, v_pool, slots, positions, n_rot, 10000.0, neox)
+    widths = np.cumsum([0, n_q * head_dim, n_kv * head_dim, n_kv * head_dim])
+    q2, k2, v2 = (qkv[:, a:b].copy().reshape(n_tokens, -1, head_dim)
+                  for a, b in zip(widths, widths[1:]))
+    ops.rope_inplace(q2, positions, n_rot, 10000.0, neox)
+    ops.rope_inplace(k2, positions, n_rot, 10000.0, neox)
+    ops.kv_write(expected_k, slots, positions, k2)
+    ops.kv_write(expected_v, slots, positions, v2)
+    np.testing.assert_array_equal(q, q2)
+    np.testing.assert_array_equal(k_pool, expected_k)  # NaN where nothing was written, on both sides
+    np.testing.assert_array_equal(v_pool, expected_v)
+    assert_close(q, ref.rope(qkv[:, : n_q * head_dim].reshape(n_tokens, n_q, head_dim), positions, n_rot,
+                             10000.0, neox), rel=1e-5)
+
+
+def test_rope_qkv_into_cache_rejects_bad_input():
+    qkv = np.ones((2, 15 * 8), dtype=np.float32)
+    pool = np.zeros((2, 4, 3, 8), dtype=np.float32)
+    slots, positions = np.array([0, 1], np.int32), np.array([0, 3], np.int32)
+    with pytest.raises(ValueError):  # 8 query heads do not fill the row
+        ops.rope_qkv_into_cache(qkv, 8, pool, pool.copy(), slots, positions, 8, 10000.0, False)
+    with pytest.raises(IndexError):
+        ops.rope_qkv_into_cache(qkv, 9, pool, pool.copy(), slots, np.array([0, 4], np.int32), 8, 10000.0, False)
+    with pytest.raises(ValueError):
+        ops.rope_qkv_into_cache(qkv, 9, pool, pool.copy(), slots[:1], positions, 8, 10000.0, False)
+    assert not pool.any()  # a refused call wrote nothing
+
+
 # --- swiglu --------------------------------------------------------------------------------------------
 
 
@@ -163,6 +244,16 @@ def test_swiglu_matches_reference(n_tokens):
     assert_close(ops.swiglu(gate, up), expected)
     ops.swiglu(gate, up, out=gate)  # in place over the gate
     assert_close(gate, expected)
+
+
+@pytest.mark.parametrize("n_tokens", [1, 8, 64])
+def test_swiglu_stacked_equals_swiglu_of_the_halves(n_tokens):
+    rng = np.random.default_rng(n_tokens + 60)
+    gate_up = random(rng, (n_tokens, 2 * 1536), scale=4.0)
+    expected = ops.swiglu(np.ascontiguousarray(gate_up[:, :1536]), np.ascontiguousarray(gate_up[:, 1536:]))
+    np.testing.assert_array_equal(ops.swiglu_stacked(gate_up), expected)
+    with pytest.raises(ValueError):
+        ops.swiglu_stacked(gate_up[:, :-1].copy())
 
 
 def test_swiglu_saturates_cleanly():

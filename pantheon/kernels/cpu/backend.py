@@ -25,6 +25,10 @@ class CpuBackend:
         self.threads = min(threads, numba.config.NUMBA_NUM_THREADS) if threads > 0 else numba.config.NUMBA_NUM_THREADS
         # int8 activations for Q4_1 / Q8_0 weights where the CPU has the instructions (quant.matmul).
         self.int8 = int8 and int8dot.INT8_ISA is not None
+        # The KV cache in float16 goes with the int8 arithmetic, as in llama.cpp: half the bytes that decode
+        # attention streams from memory (it misses cache every layer at batch 8) and half the session memory.
+        # The float path keeps float32 everywhere.
+        self.kv_dtype = np.dtype(np.float16 if self.int8 and ops.HAS_F16C else np.float32)
 
     # -- weights -------------------------------------------------------------------------------------------
     def weight(self, gguf: GGUFFile, name: str) -> QWeight:
@@ -115,6 +119,8 @@ class CpuBackend:
     rope_inplace = staticmethod(ops.rope_inplace)
     kv_write = staticmethod(ops.kv_write)
     swiglu = staticmethod(ops.swiglu)
+    rope_qkv_into_cache = staticmethod(ops.rope_qkv_into_cache)
+    swiglu_stacked = staticmethod(ops.swiglu_stacked)
     attention_decode_batch = staticmethod(ops.attention_decode_batch)
     causal_conv1d = staticmethod(ssm.causal_conv1d)
     gdn_gates = staticmethod(ssm.gdn_gates)

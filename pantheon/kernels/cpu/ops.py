@@ -12,6 +12,7 @@ The numpy references these are tested against live in `pantheon.kernels.referenc
 
 from __future__ import annotations
 
+import llvmlite.binding as llvm_binding
 import numba
 import numpy as np
 from llvmlite import ir
@@ -81,6 +82,51 @@ def _exp_f32(x):
     if x < np.float32(-60.0):
         result = np.float32(0.0)
     return result if x == x else x
+
+
+# --- float16 KV values ----------------------------------------------------------------------------------
+#
+# numba has no float16 type on the CPU, so a float16 KV cache reaches the kernels viewed as uint16 (its bits),
+# and these two intrinsics convert one value each way. Both are plain LLVM fpext / fptrunc: F16C's vcvtph2ps /
+# vcvtps2ph once vectorized, round to nearest even like numpy's astype(float16). A float32 cache passes
+# through them unchanged, so one kernel source serves both cache types (numba compiles one each).
+
+
+@intrinsic
+def _kv_to_f32(typingctx, value):
+    """A KV cache element as float32: uint16 holds float16 bits; float32 is returned as it is."""
+    if value == types.uint16:
+        def codegen(context, builder, signature, args):
+            return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+    elif value == types.float32:
+        def codegen(context, builder, signature, args):
+            return args[0]
+    else:
+        return None
+    return types.float32(value), codegen
+
+
+@intrinsic
+def _f32_to_kv(typingctx, value, pool):
+    """A float32 as an element of `pool` (a KV cache array): float16 bits for uint16, else itself."""
+    if pool.dtype == types.uint16:
+        def codegen(context, builder, signature, args):
+            return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+    elif pool.dtype == types.float32:
+        def codegen(context, builder, signature, args):
+            return args[0]
+    else:
+        return None
+    return pool.dtype(types.float32, pool), codegen
+
+
+# Without F16C, LLVM would lower the conversions to runtime-library calls that numba's JIT may not link.
+HAS_F16C = "+f16c" in llvm_binding.get_host_cpu_features().flatten().split(",")
+
+
+def kernel_view(cache: np.ndarray) -> np.ndarray:
+    """A KV cache as the kernels take it: float16 as its uint16 bits, float32 as it is."""
+    return cache.view(np.uint16) if cache.dtype == np.float16 else cache
 
 
 # --- rmsnorm -------------------------------------------------------------------------------------------
@@ -266,25 +312,120 @@ def rope_inplace(
         _rope_serial(x, bool(neox), cos_table, sin_table)
 
 
+@numba.njit(cache=True, nogil=True, error_model="numpy", inline="always")
+def _rotate_head(row, src, neox, cos_row, sin_row, dst):
+    """dst (hd,) = the head at row[src : src + hd] rotated as `_rope_token` rotates it (same arithmetic), in
+    dst's element type (a float16 cache's bits, or float32)."""
+    half = cos_row.shape[0]
+    if neox:
+        for i in range(half):
+            a = row[src + i]
+            b = row[src + i + half]
+            dst[i] = _f32_to_kv(a * cos_row[i] - b * sin_row[i], dst)
+            dst[i + half] = _f32_to_kv(a * sin_row[i] + b * cos_row[i], dst)
+    else:
+        for i in range(half):
+            a = row[src + 2 * i]
+            b = row[src + 2 * i + 1]
+            dst[2 * i] = _f32_to_kv(a * cos_row[i] - b * sin_row[i], dst)
+            dst[2 * i + 1] = _f32_to_kv(a * sin_row[i] + b * cos_row[i], dst)
+    for c in range(2 * half, dst.shape[0]):  # dims past n_rot are not rotated
+        dst[c] = _f32_to_kv(row[src + c], dst)
+
+
+@numba.njit(cache=True, nogil=True, error_model="numpy", inline="always")
+def _qkv_token(qkv, t, neox, cos_row, sin_row, q_out, k_pool, v_pool, slot, pos):
+    """Token t of a stacked q|k|v projection: q rotated into q_out[t], k rotated and v as it is into the
+    caches at (slot, pos)."""
+    row = qkv[t]
+    n_q, head_dim, n_kv = q_out.shape[1], q_out.shape[2], k_pool.shape[2]
+    for h in range(n_q):
+        _rotate_head(row, h * head_dim, neox, cos_row, sin_row, q_out[t, h])
+    for h in range(n_kv):
+        _rotate_head(row, (n_q + h) * head_dim, neox, cos_row, sin_row, k_pool[slot, pos, h])
+    v_row = v_pool[slot, pos]
+    v_first = (n_q + n_kv) * head_dim
+    for h in range(n_kv):
+        for c in range(head_dim):
+            v_row[h, c] = _f32_to_kv(row[v_first + h * head_dim + c], v_pool)
+
+
+@numba.njit(cache=True, nogil=True, error_model="numpy")
+def _check_cache_rows(pool, slots, positions):
+    for t in range(slots.shape[0]):
+        if not (0 <= slots[t] < pool.shape[0] and 0 <= positions[t] < pool.shape[1]):
+            raise IndexError("slot or position outside the KV cache")
+
+
+@numba.njit(cache=True, nogil=True, error_model="numpy")
+def _qkv_serial(qkv, neox, cos_table, sin_table, q_out, k_pool, v_pool, slots, positions):
+    _check_cache_rows(k_pool, slots, positions)
+    for t in range(qkv.shape[0]):
+        _qkv_token(qkv, t, neox, cos_table[t], sin_table[t], q_out, k_pool, v_pool, slots[t], positions[t])
+
+
+@numba.njit(cache=True, nogil=True, error_model="numpy", parallel=True)
+def _qkv_parallel(qkv, neox, cos_table, sin_table, q_out, k_pool, v_pool, slots, positions):
+    _check_cache_rows(k_pool, slots, positions)
+    for t in prange(qkv.shape[0]):
+        _qkv_token(qkv, t, neox, cos_table[t], sin_table[t], q_out, k_pool, v_pool, slots[t], positions[t])
+
+
+def rope_qkv_into_cache(
+    qkv: np.ndarray,
+    n_q_heads: int,
+    k_pool: np.ndarray,
+    v_pool: np.ndarray,
+    slots: np.ndarray,
+    positions: np.ndarray,
+    n_rot: int,
+    freq_base: float,
+    neox: bool,
+    freq_scale: float = 1.0,
+) -> np.ndarray:
+    """The stacked projection q|k|v (T, (Hq + 2 Hkv) * hd) split, rotated and stored in one pass: returns q
+    (T, Hq, hd) rotated as `rope_inplace` would; k rotated and v as they are go to k_pool / v_pool (S, ctx, Hkv,
+    hd, float32 or float16) at [slots[t], positions[t]], as `kv_write` would. One kernel call where the split,
+    two rotations and two cache writes took seven (each a few microseconds at decode sizes)."""
+    n_kv, head_dim = k_pool.shape[2], k_pool.shape[3]
+    if qkv.ndim != 2 or qkv.shape[1] != (n_q_heads + 2 * n_kv) * head_dim or v_pool.shape != k_pool.shape:
+        raise ValueError(f"rope_qkv_into_cache: projection {qkv.shape} for {n_q_heads} query heads and caches "
+                         f"{k_pool.shape} / {v_pool.shape}")
+    if n_rot % 2 or not 0 < n_rot <= head_dim:
+        raise ValueError(f"n_rot must be even and in (0, head_dim={head_dim}], got {n_rot}")
+    n_tok = qkv.shape[0]
+    slots, positions = np.asarray(slots), np.asarray(positions)
+    if not len(slots) == len(positions) == n_tok:
+        raise ValueError(f"rope_qkv_into_cache: {len(slots)} slots, {len(positions)} positions for {n_tok} rows")
+    cos_table, sin_table = _angle_tables(positions, n_rot, float(freq_base), float(freq_scale))
+    q = np.empty((n_tok, n_q_heads, head_dim), dtype=np.float32)
+    kernel = _qkv_parallel if n_tok >= ROPE_PARALLEL_MIN_TOKENS else _qkv_serial
+    kernel(qkv, bool(neox), cos_table, sin_table, q, kernel_view(k_pool), kernel_view(v_pool), slots, positions)
+    return q
+
+
 # --- kv cache ------------------------------------------------------------------------------------------
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
 def _kv_write_kernel(pool, slots, positions, values):
+    _check_cache_rows(pool, slots, positions)
     for t in range(values.shape[0]):
-        if not (0 <= slots[t] < pool.shape[0] and 0 <= positions[t] < pool.shape[1]):
-            raise IndexError("kv_write: slot or position outside the KV cache")
-    for t in range(values.shape[0]):
-        pool[slots[t], positions[t]] = values[t]
+        src = values[t]
+        dst = pool[slots[t], positions[t]]
+        for h in range(src.shape[0]):
+            for c in range(src.shape[1]):
+                dst[h, c] = _f32_to_kv(src[h, c], pool)
 
 
 def kv_write(pool: np.ndarray, slots: np.ndarray, positions: np.ndarray, values: np.ndarray) -> None:
-    """pool[slots[t], positions[t]] = values[t] for each row t: pool (S, ctx, Hkv, hd), values (T, Hkv, hd).
-    One kernel call instead of numpy's fancy-index assignment (~5 us a call, two calls per layer per step)."""
+    """pool[slots[t], positions[t]] = values[t] for each row t: pool (S, ctx, Hkv, hd) float32 or float16
+    (rounded to nearest even), values (T, Hkv, hd) float32. One kernel call instead of numpy's fancy-index
+    assignment (~5 us a call, two calls per layer per step)."""
     if values.shape[1:] != pool.shape[2:] or not len(slots) == len(positions) == len(values):
         raise ValueError(f"kv_write: values {values.shape} into a pool {pool.shape} with {len(slots)} slots, "
                          f"{len(positions)} positions")
-    _kv_write_kernel(pool, np.asarray(slots), np.asarray(positions), values)
+    _kv_write_kernel(kernel_view(pool), np.asarray(slots), np.asarray(positions), values)
 
 
 # --- swiglu --------------------------------------------------------------------------------------------
@@ -313,6 +454,40 @@ def _swiglu_parallel(gate, up, out):
         _swiglu_row(gate, up, out, t)
 
 
+@_njit
+def _swiglu_stacked_row(gate_up, out, t):
+    row = gate_up[t]
+    out_row = out[t]
+    width = out_row.shape[0]
+    for i in range(width):
+        g = row[i]
+        out_row[i] = g / (np.float32(1.0) + _exp_f32(-g)) * row[width + i]
+
+
+@_njit
+def _swiglu_stacked_serial(gate_up, out):
+    for t in range(gate_up.shape[0]):
+        _swiglu_stacked_row(gate_up, out, t)
+
+
+@_njit_parallel
+def _swiglu_stacked_parallel(gate_up, out):
+    for t in prange(gate_up.shape[0]):
+        _swiglu_stacked_row(gate_up, out, t)
+
+
+def swiglu_stacked(gate_up: np.ndarray) -> np.ndarray:
+    """silu(gate) * up from the stacked projection gate|up (T, 2F): (T, F), without splitting it first."""
+    if gate_up.ndim != 2 or gate_up.shape[1] % 2:
+        raise ValueError(f"swiglu_stacked: need (T, 2F), got {gate_up.shape}")
+    out = np.empty((gate_up.shape[0], gate_up.shape[1] // 2), dtype=np.float32)
+    if out.size >= SWIGLU_PARALLEL_MIN_ELEMENTS:
+        _swiglu_stacked_parallel(gate_up, out)
+    else:
+        _swiglu_stacked_serial(gate_up, out)
+    return out
+
+
 def swiglu(gate: np.ndarray, up: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """silu(gate) * up for gate, up (T, F); writes into `out` (may alias gate or up) and returns it."""
     if out is None:
@@ -329,18 +504,25 @@ def swiglu(gate: np.ndarray, up: np.ndarray, out: np.ndarray | None = None) -> n
 
 @_njit
 def _attend_rows(
-    q, t0, n_rows, head, keys, values, kv_head, first_pos, scale, out, scores, row_max, row_sum, acc
+    q, t0, n_rows, head, keys, values, kv_head, first_pos, scale, out, scores, row_max, row_sum, acc, q_rows
 ):
     """Causal attention of query rows q[t0 : t0 + n_rows, head] over keys[:, kv_head] / values[:, kv_head].
 
     Row i sits at position first_pos + i and sees key rows 0 .. first_pos + i. Online softmax over tiles of
     KEY_TILE keys: per row a running max and sum, and an accumulator rescaled whenever the max grows, so no
     score matrix is ever built. Everything is float32; the running max keeps every exp() argument <= 0.
+    Over a float16 cache this is llama.cpp's arithmetic: the queries are rounded to float16 first (into q_rows)
+    for the dot products with the keys, and the softmax weights to float16 for the products with the values
+    (it rounds both to the cache's type before its matrix products); over a float32 cache q_rows is a plain
+    copy and the weights stay float32. With either rounding left out, the golden prompt's greedy tokens or
+    its logits drifted from llama.cpp's (tests/test_golden_smollm2.py).
     """
     for i in range(n_rows):
         row_max[i] = -np.inf
         row_sum[i] = 0.0
         acc[i, :] = 0.0
+        for c in range(q_rows.shape[1]):
+            q_rows[i, c] = _kv_to_f32(_f32_to_kv(q[t0 + i, head, c], keys))
     n_keys = first_pos + n_rows
     for k0 in range(0, n_keys, KEY_TILE):
         k1 = min(n_keys, k0 + KEY_TILE)
@@ -348,7 +530,7 @@ def _attend_rows(
             k_end = min(k1, first_pos + i + 1)
             if k_end <= k0:
                 continue  # this row's last visible key is before the tile
-            q_row = q[t0 + i, head]
+            q_row = q_rows[i]
             acc_row = acc[i]
             old_max = row_max[i]
             new_max = old_max
@@ -356,7 +538,7 @@ def _attend_rows(
                 k_row = keys[j, kv_head]
                 dot = np.float32(0.0)
                 for c in range(q_row.shape[0]):
-                    dot += q_row[c] * k_row[c]
+                    dot += q_row[c] * _kv_to_f32(k_row[c])
                 score = dot * scale
                 scores[j - k0] = score
                 new_max = max(new_max, score)
@@ -369,12 +551,12 @@ def _attend_rows(
                 scores[j - k0] = _exp_f32(scores[j - k0] - new_max)
                 total += scores[j - k0]
             for j in range(k0, k_end):
-                weight = scores[j - k0]
+                weight = _kv_to_f32(_f32_to_kv(scores[j - k0], values))  # float16 over a float16 cache
                 if weight < MIN_WEIGHT:
                     continue  # nothing at float32 precision, and its products with v would be denormal
                 v_row = values[j, kv_head]
                 for c in range(acc_row.shape[0]):
-                    acc_row[c] += weight * v_row[c]
+                    acc_row[c] += weight * _kv_to_f32(v_row[c])
             row_sum[i] = total
             row_max[i] = new_max
     for i in range(n_rows):
@@ -403,9 +585,10 @@ def _attention_kernel(q, k_cache, v_cache, start_pos, scale, out):
         row_max = np.empty(QUERY_BLOCK, dtype=np.float32)
         row_sum = np.empty(QUERY_BLOCK, dtype=np.float32)
         acc = np.empty((QUERY_BLOCK, head_dim), dtype=np.float32)
+        q_rows = np.empty((QUERY_BLOCK, head_dim), dtype=np.float32)
         _attend_rows(
             q, t0, n_rows, head, k_cache, v_cache, head // group, start_pos + t0, scale32, out,
-            scores, row_max, row_sum, acc,
+            scores, row_max, row_sum, acc, q_rows,
         )
 
 
@@ -428,9 +611,10 @@ def _attention_decode_kernel(q, k_all, v_all, slot_ids, positions, scale, out):
         row_max = np.empty(1, dtype=np.float32)
         row_sum = np.empty(1, dtype=np.float32)
         acc = np.empty((1, head_dim), dtype=np.float32)
+        q_rows = np.empty((1, head_dim), dtype=np.float32)
         _attend_rows(
             q, b, 1, head, k_all[slot], v_all[slot], head // group, positions[b], scale32, out,
-            scores, row_max, row_sum, acc,
+            scores, row_max, row_sum, acc, q_rows,
         )
 
 
@@ -465,7 +649,7 @@ def attention(
         )
     if out is None:
         out = np.empty_like(q)
-    _attention_kernel(q, k_cache, v_cache, start_pos, scale, out)
+    _attention_kernel(q, kernel_view(k_cache), kernel_view(v_cache), start_pos, scale, out)
     return out
 
 
@@ -506,5 +690,5 @@ def attention_decode_batch(
         raise ValueError(f"attention_decode_batch: {len(slot_ids)} slot ids for {n_seqs} queries")
     if out is None:
         out = np.empty_like(q)
-    _attention_decode_kernel(q, k_cache, v_cache, slot_ids, positions, scale, out)
+    _attention_decode_kernel(q, kernel_view(k_cache), kernel_view(v_cache), slot_ids, positions, scale, out)
     return out

@@ -52,6 +52,7 @@ def _out_of_memory_is_memory_error(what: str) -> Iterator[None]:
 class CudaBackend:
     name = "cuda"
     accelerator = True
+    kv_dtype = np.dtype(np.float32)
 
     def __init__(self, die: int = 0, die_manager: DieManager | None = None, owner: str = "",
                  geometry: Geometry = GEOMETRY, capture: CaptureLayer | None = None) -> None:
