@@ -302,6 +302,14 @@ def test_json_object_grammar(vocab: Vocab) -> None:
     thinking = json_object_grammar(PERSON, think="optional")
     assert vocab.run(thinking, '<think>easy</think>\n{"name": "Ada", "age": 36}') == "accept"
     assert vocab.run(thinking, '{"name": "Ada", "age": 36}') == "accept"
+    # Whitespace is bounded (20 characters at a time, as llama.cpp's JSON grammars bound it): a sampled run of
+    # tabs inside the object once filled all 200 tokens of a request.
+    assert vocab.run(person, '\n\t  {"name": "Ada", "age": 36}') == "accept"
+    assert vocab.run(person, "\t" * 20 + '{"name": "Ada", "age": 36}') == "accept"
+    assert vocab.run(person, "\t" * 21 + '{"name": "Ada", "age": 36}') == "reject"
+    assert vocab.run(person, '{\n  "name": "Ada",\n  "age": 36\n}') == "accept"  # and inside the object
+    assert vocab.run(person, '{"name": "Ada",' + " " * 21 + '"age": 36}') == "reject"
+    assert vocab.run(free, '{"a":' + "\t" * 21 + "1}") == "reject"
     refs = {"type": "object", "$defs": {"P": PERSON}, "properties": {"who": {"$ref": "#/$defs/P"}}, "required": ["who"]}
     assert vocab.run(json_object_grammar(refs), '{"who": {"name": "Ada", "age": 36}}') == "accept"
     assert vocab.run(json_object_grammar(refs), '{"who": {"name": "Ada"}}') == "reject"

@@ -29,7 +29,7 @@ def activations(batch: int, cols: int, seed: int = 1) -> np.ndarray:
 def test_quantize_rows_matches_reference() -> None:
     x = activations(5, 96)
     x[2, 32:64] = 0.0  # an all-zero block: scale 0, values 0
-    xq, xd, xs = int8dot.unpack_quantized(*int8dot.quantize_rows(x), 96)
+    xq, xd, xs = int8dot.quantize_rows(x)
     q, d = reference.quantize_rows_q8(x)
     assert np.array_equal(xq, q)
     assert np.array_equal(xd, d)
@@ -40,7 +40,7 @@ def test_quantize_rows_matches_reference() -> None:
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=["Q4_1", "Q8_0"])
-# blocks: 1, 3, one whole group, 2 groups + 1 pair, 3 groups + 1 odd block
+# blocks: 1, 3, 8, 18 (the default model's K), 25; 37 rows: 4 whole groups of 8 and one of 5
 @pytest.mark.parametrize("cols", [32, 96, 256, 576, 800])
 @pytest.mark.parametrize("batch", [1, 3, 4, 5, 8, 13, 33])
 def test_matmul_matches_reference(qtype: int, cols: int, batch: int) -> None:
@@ -56,51 +56,58 @@ def test_matmul_matches_reference(qtype: int, cols: int, batch: int) -> None:
     assert np.linalg.norm(out - exact) / np.linalg.norm(exact) < 0.02
 
 
-def test_activation_layout_round_trips_and_pads_with_zeros() -> None:
-    """K = 800: 25 blocks, so the last of 4 groups holds one real block and seven of zero padding."""
+def test_offset_activations_are_q_plus_128() -> None:
+    """Q8_0's operand on VNNI: the same values as unsigned q + 128 bytes, the same scales."""
     x = activations(3, 800)
-    packed = int8dot.quantize_rows(x)
-    assert [a.shape for a in packed] == [(3, 4 * 256), (3, 32), (3, 32)]
-    q, d, s = int8dot.unpack_quantized(*packed, 800)
-    ref_q, ref_d = reference.quantize_rows_q8(x)
-    assert np.array_equal(q, ref_q) and np.array_equal(d, ref_d)
-    np.testing.assert_allclose(s, ref_d * ref_q.reshape(3, 25, 32).astype(np.int64).sum(axis=2), rtol=1e-6)
-    assert np.count_nonzero(packed[0]) == np.count_nonzero(ref_q)
-    assert np.count_nonzero(packed[1]) == np.count_nonzero(ref_d)
-    # vector u of a group, lane i = values 4u..4u+3 of block i
-    assert np.array_equal(packed[0][0, 32 * 5 + 4 * 3 : 32 * 5 + 4 * 3 + 4], ref_q[0, 3 * 32 + 20 : 3 * 32 + 24])
-    # offset: the same values as q + 128 (Q8_0's operand on VNNI)
-    shifted = int8dot.quantize_rows(x, offset=True)
-    assert np.array_equal(shifted[0].view(np.uint8)[:, :32].astype(int) - 128, packed[0][:, :32])
-    assert np.array_equal(int8dot.unpack_quantized(*shifted, 800, offset=True)[0], ref_q)
+    plain, shifted = int8dot.quantize_rows(x), int8dot.quantize_rows(x, offset=True)
+    assert shifted[0].shape == (3, 800)
+    assert np.array_equal(shifted[0].view(np.uint8).astype(int) - 128, plain[0])
+    assert np.array_equal(shifted[1], plain[1]) and np.array_equal(shifted[2], plain[2])
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=["Q4_1", "Q8_0"])
 def test_weight_layout(qtype: int) -> None:
-    """pack_weight: per group of 8 blocks the scales side by side, then the values lane by lane; K = 800 leaves
-    a last group of one real block and seven zero ones."""
-    w = weight(qtype, 3, 800)
+    """pack_weight: groups of 8 rows, block by block: the 8 rows' scales side by side, then the values lane by
+    lane; 13 rows leave a last group of 5 real rows and 3 zero lanes. No padding of K (25 blocks stay 25)."""
+    w = weight(qtype, 13, 800)
     packed = int8dot.pack_weight(qtype, w.data)
     group = 160 if qtype == Q4_1 else 304
-    assert packed.shape == (3, 4 * group) and packed.dtype == np.uint8
+    assert packed.shape == (2, 25 * group) and packed.dtype == np.uint8
     block = 20 if qtype == Q4_1 else 34
-    row = w.data[1]
-    for blk in (0, 5, 11, 24):
-        g, lane = divmod(blk, 8)
-        src, dst = row[blk * block :], packed[1, g * group :]
-        assert bytes(dst[2 * lane : 2 * lane + 2]) == bytes(src[:2])  # d
-        if qtype == Q4_1:
-            assert bytes(dst[16 + 2 * lane : 18 + 2 * lane]) == bytes(src[2:4])  # m
-            for j in (0, 7, 15):
-                assert dst[32 + 32 * (j // 4) + 4 * lane + j % 4] == src[4 + j]
-        else:
-            values = src[2:34].view(np.int8)
-            assert dst[16 + 4 * lane : 20 + 4 * lane].view(np.int32)[0] == 128 * int(values.astype(int).sum())
-            for j in (0, 13, 31):
-                assert dst[48 + 32 * (j // 4) + 4 * lane + j % 4] == src[2 + j]
-    last = packed[:, 3 * group :].reshape(3, -1)
-    assert not last[:, 2:16].any()  # padding blocks: zero scales ...
-    assert np.count_nonzero(last) <= 3 * (2 + 2 + 16 if qtype == Q4_1 else 2 + 4 + 32)  # ... and values
+    for n in (0, 5, 9, 12):
+        g, lane = divmod(n, 8)
+        row = w.data[n]
+        for blk in (0, 11, 24):
+            src, dst = row[blk * block :], packed[g, blk * group :]
+            assert bytes(dst[2 * lane : 2 * lane + 2]) == bytes(src[:2])  # d
+            if qtype == Q4_1:
+                assert bytes(dst[16 + 2 * lane : 18 + 2 * lane]) == bytes(src[2:4])  # m
+                for j in (0, 7, 15):
+                    assert dst[32 + 32 * (j // 4) + 4 * lane + j % 4] == src[4 + j]
+            else:
+                values = src[2:34].view(np.int8)
+                assert dst[16 + 4 * lane : 20 + 4 * lane].view(np.int32)[0] == 128 * int(values.astype(int).sum())
+                for j in (0, 13, 31):
+                    assert dst[48 + 32 * (j // 4) + 4 * lane + j % 4] == src[2 + j]
+    lanes = packed[1].reshape(25, group)
+    if qtype == Q4_1:
+        empty = [lanes[:, 10:16], lanes[:, 26:32]] + [lanes[:, 32 + 32 * t + 20 : 64 + 32 * t] for t in range(4)]
+    else:
+        empty = [lanes[:, 10:16], lanes[:, 36:48]] + [lanes[:, 48 + 32 * u + 20 : 80 + 32 * u] for u in range(8)]
+    assert not any(part.any() for part in empty)  # lanes 5..7 of the last group: zero
+
+
+def test_rows_not_a_multiple_of_8_write_only_their_outputs() -> None:
+    """The last group of 13 rows has 3 empty lanes: the outputs past row 13 are not written (out is exactly
+    (B, 13) and nothing beyond it changes)."""
+    w = weight(Q4_1, 13, 96)
+    x = activations(9, 96)
+    buffer = np.full((9 * 13 + 16,), 7.0, dtype=np.float32)
+    out = buffer[: 9 * 13].reshape(9, 13)
+    quant.matmul(w, x, out, int8=True)
+    assert (buffer[9 * 13 :] == 7.0).all()
+    expected = reference.matmul_int8(Q4_1, w.data, x)
+    assert np.linalg.norm(out - expected) / np.linalg.norm(expected) < 2e-6
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=["Q4_1", "Q8_0"])
@@ -146,7 +153,7 @@ def test_quantize_rows_of_a_prefill_batch_match_reference() -> None:
     assert x.size >= int8dot._PARALLEL_QUANTIZE_MIN
     x[3, :32] = np.arange(32, dtype=np.float32) + np.float32(0.5)  # halves: rounding ties, to even
     x[3, 31] = 127.0  # so that the block's scale is exactly 1
-    xq, xd, _ = int8dot.unpack_quantized(*int8dot.quantize_rows(x), 576)
+    xq, xd, _ = int8dot.quantize_rows(x)
     q, d = reference.quantize_rows_q8(x)
     assert np.array_equal(xq, q) and np.array_equal(xd, d)
     assert xd[3, 0] == 1.0 and list(xq[3, :4]) == [0, 2, 2, 4]

@@ -33,8 +33,12 @@ from pantheon.errors import invalid_request
 MODES = ("required", "auto")
 THINK = ("none", "open", "optional")
 
+# Whitespace between structural parts, and inside every %json value (llguidance's `whitespace_pattern`), is
+# at most 20 characters at a time, as llama.cpp's JSON grammars bound it: unbounded, a sampled run of tabs
+# once filled all 200 tokens of a request inside the object and never closed it.
+_JSON_OPTIONS = {"lenient": True, "whitespace_pattern": r"[ \t\n\r]{0,20}"}
 _COMMON = r"""
-WS: /[ \t\r\n]+/
+WS: /[ \t\r\n]{1,20}/
 think_body[lazy]: /(?s:.*)<\/think>/
 """
 _PRELUDE = {"none": "", "open": "think_body", "optional": '("<think>" think_body)?'}
@@ -71,7 +75,7 @@ def json_object_grammar(schema: dict | None, *, think: str = "none") -> str:
     """A Lark grammar for one JSON object (valid for `schema` when given), after an optional think block."""
     if think not in THINK:
         raise ValueError(f"think must be one of {THINK}, not {think!r}")
-    target = _json_schema(schema) if schema else {"type": "object"}
+    target = _json_schema(schema) if schema else {"type": "object", "x-guidance": dict(_JSON_OPTIONS)}
     return f"start: {_PRELUDE[think]} WS? answer\nanswer: %json {_dump(target)}\n" + _COMMON
 
 
@@ -159,7 +163,7 @@ def _json_calls(tools: list[ToolSpec], mode: str, prelude: str) -> str:
                 "required": [key, "arguments"],
                 "additionalProperties": False,
             })
-    call = f"call_object: %json {_dump({'anyOf': shapes, 'x-guidance': {'lenient': True}})}" if tools else ""
+    call = f"call_object: %json {_dump({'anyOf': shapes, 'x-guidance': dict(_JSON_OPTIONS)})}" if tools else ""
     if mode == "required":
         lines = [f"start: {prelude} WS? (call_object | fenced_call)",
                  'fenced_call: "```json" WS? call_object WS? "```"', call]
@@ -200,7 +204,7 @@ def _json_schema(schema: Any, *, root: bool = True) -> dict:
     if "properties" in out and "type" not in out:
         out["type"] = "object"
     if root:
-        out["x-guidance"] = {"lenient": True}
+        out["x-guidance"] = dict(_JSON_OPTIONS)
     return out
 
 

@@ -6,15 +6,16 @@ and a weight block meets an activation block as 32 int8 x uint8 products summed 
 block in float32. One VNNI instruction (`vpdpbusd`) does 32 such products and partial sums.
 
 Numba compiles without LLVM's SLP vectorizer and types integer arithmetic as int64, so these loops cannot be
-written as numba Python and vectorize. `_make_row_dot` therefore builds intrinsics that emit the whole loop
-over a row's blocks as LLVM IR on 256-bit vectors. The unit of work is a group of 8 blocks (256 values) laid
-side by side: weight vector u holds values 4u..4u+3 of each of the 8 blocks (one 32-bit lane per block), and
-so does activation vector u, so 8 `vpdpbusd` leave each block's exact integer sum in its own lane with no
-reduction; one conversion and one fma then scale all eight blocks at once (and a second fma adds Q4_1's m
-terms): about 1.6 instructions per block and activation row, where scaling each block on its own took 8.
-The weights are rearranged into that layout once (`pack_weight`, same size: `QWeight.int8_packed`), the
-activations by `quantize_rows`. Up to 8 activation rows share each weight group's loads and unpacking; a
-row's float arithmetic is the same whatever the number of rows (batch invariance).
+written as numba Python and vectorize. `_make_rows_dot` therefore builds intrinsics that emit the whole loop
+over the blocks as LLVM IR on 256-bit vectors. The unit of work is one block of 8 weight rows side by side
+(`pack_weight`, done once at load: `QWeight.int8_packed`): weight vector u holds values 4u..4u+3 of the
+block in each of the 8 rows (one 32-bit lane per row), and the activation block's values 4u..4u+3 are
+broadcast to all lanes, so 8 `vpdpbusd` leave each row's exact integer sum for the block in its own lane. One
+conversion and one fma then scale all eight rows at once (a second fma, into its own accumulator, adds Q4_1's
+m terms), and after the last block the 8 lanes are the 8 outputs: no horizontal sums, and no padding of K
+(an earlier layout put 8 blocks of one row side by side and padded K = 576 from 18 to 24 blocks). Up to 8
+activation rows share each weight block's loads and unpacking; a row's float arithmetic is the same whatever
+the number of rows (batch invariance).
 
 The instruction set is fixed when this module is imported (`INT8_ISA`): VNNI where the CPU has it
 (AVX512-VNNI with VL, the path tested here on Zen 4, or AVX-VNNI), else AVX2's `vpmaddubsw` + `vpmaddwd`
@@ -44,15 +45,14 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-__all__ = ["INT8_ISA", "INT8_TYPES", "matmul", "pack_weight", "quantize_rows", "unpack_quantized"]
+__all__ = ["INT8_ISA", "INT8_TYPES", "matmul", "pack_weight", "quantize_rows"]
 
 Q4_1, Q8_0 = 3, 8
 INT8_TYPES: frozenset[int] = frozenset({Q4_1, Q8_0})
 QK = 32  # values per activation block (and per Q4_1 / Q8_0 weight block)
-GROUP_BLOCKS = 8  # blocks side by side in the lanes of one vector
-GROUP_BYTES = GROUP_BLOCKS * QK  # activation bytes of a group
-# Bytes of a packed weight group (see `pack_weight`): Q4_1 8 f16 d, 8 f16 m, 128 bytes of nibbles; Q8_0 8 f16
-# d, 8 int32 corrections, 256 bytes of values.
+LANES = 8  # weight rows side by side in the lanes of one vector
+# Bytes of one packed block of 8 rows (see `pack_weight`): Q4_1 8 f16 d, 8 f16 m, 128 bytes of nibbles; Q8_0
+# 8 f16 d, 8 int32 corrections, 256 bytes of values.
 Q4_1_GROUP, Q8_0_GROUP = 160, 304
 
 
@@ -130,12 +130,12 @@ def _larger(builder: ir.IRBuilder, a: ir.Value, b: ir.Value) -> ir.Value:
     return builder.select(builder.fcmp_ordered(">", a, b), a, b)
 
 
-def _weight_group(builder: ir.IRBuilder, isa: str, q4: bool, wptr: ir.Value, g: ir.Value
+def _weight_block(builder: ir.IRBuilder, isa: str, q4: bool, wptr: ir.Value, j: ir.Value
                   ) -> tuple[list[ir.Value], ir.Value, ir.Value | None]:
-    """The weight side of group g of a packed row: the eight vectors that meet the activation vectors 0..7 (Q8_0
-    on AVX2: their magnitudes, then the signed values too), the d scales as float32 (lane = block), and a third
-    vector: Q4_1's m scales, offset Q8_0's int32 corrections, else None."""
-    base = builder.mul(g, ir.Constant(_i64, Q4_1_GROUP if q4 else Q8_0_GROUP))
+    """The weight side of block j of a packed group of 8 rows: the eight vectors that meet the broadcast
+    activation pieces 0..7 (Q8_0 on AVX2: their magnitudes, then the signed values too), the d scales as
+    float32 (lane = row), and a third vector: Q4_1's m scales, offset Q8_0's int32 corrections, else None."""
+    base = builder.mul(j, ir.Constant(_i64, Q4_1_GROUP if q4 else Q8_0_GROUP))
 
     def at(offset: int, ty: ir.Type) -> ir.Value:
         return _load(builder, wptr, builder.add(base, ir.Constant(_i64, offset)), ty)
@@ -154,22 +154,22 @@ def _weight_group(builder: ir.IRBuilder, isa: str, q4: bool, wptr: ir.Value, g: 
     return magnitudes + values, d_w, None
 
 
-def _row_group(builder: ir.IRBuilder, isa: str, q4: bool, weights: list[ir.Value], d_w: ir.Value,
-               third: ir.Value | None, xptr: ir.Value, dptr: ir.Value, sptr: ir.Value, g: ir.Value,
-               acc: ir.Value) -> ir.Value:
-    """acc + one activation row's products with weight group g. Vector u of the row's group holds values
-    4u..4u+3 of each of its eight blocks (lane = block), as does weight vector u, so eight unsigned x signed dot
-    instructions leave each block's exact integer sum in its own lane (two chains of four, for latency); one
-    conversion and one fma then scale all eight by d_w * d_x, and Q4_1 adds m_w * (d_x * sum(q_x)) in a second.
-    `weights`, `third`: from `_weight_group`."""
-    xbase = builder.mul(g, ir.Constant(_i64, GROUP_BYTES))
-    xs = [_load(builder, xptr, builder.add(xbase, ir.Constant(_i64, 32 * u)), _v32i8) for u in range(8)]
+def _row_block(builder: ir.IRBuilder, isa: str, q4: bool, weights: list[ir.Value], d_w: ir.Value,
+               third: ir.Value | None, xptr: ir.Value, d_x: ir.Value, s_x: ir.Value, acc: ir.Value,
+               acc_m: ir.Value) -> tuple[ir.Value, ir.Value]:
+    """(acc, acc_m) after one activation row's block (its 32 int8 values at xptr, scale d_x, d_x * sum(q_x)
+    s_x) meets weight block `weights` of 8 rows: piece u of the activations (values 4u..4u+3) is broadcast to
+    every lane and meets weight vector u, so eight unsigned x signed dot instructions leave each row's exact
+    integer sum in its lane (two chains of four, for latency); one conversion and one fma add d_w * d_x times
+    it to acc, and Q4_1 adds m_w * s_x to acc_m in a second (its own chain, for latency)."""
+    pieces = [builder.bitcast(_splat(builder, _load(builder, xptr, ir.Constant(_i64, 4 * u), _i32), 8), _v32i8)
+              for u in range(8)]
     if q4:
-        pairs = list(zip(weights, xs))
+        pairs = list(zip(weights, pieces))
     elif _offset_q8_0(isa):  # (q_x + 128) * q_w, corrected below
-        pairs = list(zip(xs, weights))
+        pairs = list(zip(pieces, weights))
     else:
-        pairs = [(weights[u], _call(builder, "llvm.x86.avx2.psign.b", _v32i8, [xs[u], weights[8 + u]]))
+        pairs = [(weights[u], _call(builder, "llvm.x86.avx2.psign.b", _v32i8, [pieces[u], weights[8 + u]]))
                  for u in range(8)]
     chains = []
     for half in (pairs[:4], pairs[4:]):
@@ -180,86 +180,101 @@ def _row_group(builder: ir.IRBuilder, isa: str, q4: bool, weights: list[ir.Value
     sums = builder.add(chains[0], chains[1])  # integers: exact in any order
     if third is not None and not q4:
         sums = builder.sub(sums, third)
-    lanes = builder.mul(g, ir.Constant(_i64, GROUP_BLOCKS * 4))
-    d_x = _load(builder, dptr, lanes, _v8f32)
-    acc = _fma(builder, builder.sitofp(sums, _v8f32), builder.fmul(d_w, d_x), acc)
+    acc = _fma(builder, builder.sitofp(sums, _v8f32), builder.fmul(d_w, _splat(builder, d_x, 8)), acc)
     if q4:
-        acc = _fma(builder, third, _load(builder, sptr, lanes, _v8f32), acc)
-    return acc
+        acc_m = _fma(builder, third, _splat(builder, s_x, 8), acc_m)
+    return acc, acc_m
 
 
-def _make_row_dot(q4: bool, n_x: int, isa: str) -> Any:
-    """An intrinsic (wrow, xq, xd, xs, b, out, n) that sets out[b + r, n] for r < n_x to the dot product of one
-    packed weight row (`pack_weight`) with activation row b + r as packed by `quantize_rows`.
+def _make_rows_dot(q4: bool, n_x: int, isa: str) -> Any:
+    """An intrinsic (wgroup, xq, xd, xs, b, out, n0) that sets out[b + r, n0 : n0 + 8] (the part of it inside
+    out) for r < n_x to the dot products of one packed group of 8 weight rows (`pack_weight`) with activation
+    row b + r as `quantize_rows` left it.
 
-    A row's sum is the same sequence of float operations for every n_x: one 8-lane float32 accumulator (lane =
-    block of a group), groups in order, the lanes reduced pairwise at the end. Several activation rows per call
-    share each weight group's loads and unpacking."""
+    An output's sum is the same sequence of float operations for every n_x: blocks in order into one 8-lane
+    float32 accumulator (lane = weight row), Q4_1's m terms into a second, the two added at the end. Several
+    activation rows per call share each weight block's loads and unpacking."""
 
-    def row_dot(typingctx, wrow, xq, xd, xs, b, out, n):
-        return types.void(wrow, xq, xd, xs, b, out, n), codegen
+    def rows_dot(typingctx, wgroup, xq, xd, xs, b, out, n0):
+        return types.void(wgroup, xq, xd, xs, b, out, n0), codegen
 
     def codegen(context, builder, signature, args):
-        wrow_t, xq_t, xd_t, xs_t, _, out_t, _ = signature.args
-        w = context.make_array(wrow_t)(context, builder, args[0])
+        wgroup_t, xq_t, xd_t, xs_t, _, out_t, _ = signature.args
+        w = context.make_array(wgroup_t)(context, builder, args[0])
         x = context.make_array(xq_t)(context, builder, args[1])
         d = context.make_array(xd_t)(context, builder, args[2])
         s = context.make_array(xs_t)(context, builder, args[3])
         o = context.make_array(out_t)(context, builder, args[5])
-        b0, n = args[4], args[6]
+        b0, n0 = args[4], args[6]
         wptr = builder.bitcast(w.data, _i8.as_pointer())
-        n_groups = builder.sdiv(builder.extract_value(d.shape, 1), ir.Constant(_i64, GROUP_BLOCKS))
-        lanes_bytes = builder.mul(builder.extract_value(d.shape, 1), ir.Constant(_i64, 4))
-        x_row_bytes = builder.extract_value(x.shape, 1)
+        n_blocks = builder.extract_value(d.shape, 1)
+        k_dim = builder.extract_value(x.shape, 1)
         n_out = builder.extract_value(o.shape, 1)
         rows = [builder.add(b0, ir.Constant(_i64, r)) for r in range(n_x)]
-
-        def row_ptr(array: Any, row: ir.Value, stride: ir.Value) -> ir.Value:
-            return builder.gep(builder.bitcast(array.data, _i8.as_pointer()), [builder.mul(row, stride)])
-
-        xptrs = [row_ptr(x, row, x_row_bytes) for row in rows]
-        dptrs = [row_ptr(d, row, lanes_bytes) for row in rows]
-        sptrs = [row_ptr(s, row, lanes_bytes) for row in rows]
+        xrows = [builder.gep(builder.bitcast(x.data, _i8.as_pointer()), [builder.mul(row, k_dim)]) for row in rows]
+        firsts = [builder.mul(row, n_blocks) for row in rows]  # of the row's scales in xd / xs
 
         zero = ir.Constant(_v8f32, None)
         entry = builder.basic_block
-        loop = builder.append_basic_block("int8dot.groups")
-        done = builder.append_basic_block("int8dot.reduce")
-        builder.cbranch(builder.icmp_signed(">", n_groups, ir.Constant(_i64, 0)), loop, done)
+        loop = builder.append_basic_block("int8dot.blocks")
+        done = builder.append_basic_block("int8dot.store")
+        builder.cbranch(builder.icmp_signed(">", n_blocks, ir.Constant(_i64, 0)), loop, done)
 
         builder.position_at_end(loop)
-        g = builder.phi(_i64)
+        j = builder.phi(_i64)
         accs = [builder.phi(_v8f32) for _ in range(n_x)]
-        weights, d_w, third = _weight_group(builder, isa, q4, wptr, g)
-        new_accs = [_row_group(builder, isa, q4, weights, d_w, third, xptrs[r], dptrs[r], sptrs[r], g, accs[r])
-                    for r in range(n_x)]
-        g_next = builder.add(g, ir.Constant(_i64, 1))
-        builder.cbranch(builder.icmp_signed("<", g_next, n_groups), loop, done)
+        accs_m = [builder.phi(_v8f32) for _ in range(n_x)]
+        weights, d_w, third = _weight_block(builder, isa, q4, wptr, j)
+        new_accs, new_accs_m = [], []
+        for r in range(n_x):
+            xptr = builder.gep(xrows[r], [builder.mul(j, ir.Constant(_i64, QK))])
+            at = builder.add(firsts[r], j)
+            d_x = builder.load(builder.gep(d.data, [at]))
+            s_x = builder.load(builder.gep(s.data, [at]))
+            acc, acc_m = _row_block(builder, isa, q4, weights, d_w, third, xptr, d_x, s_x, accs[r], accs_m[r])
+            new_accs.append(acc)
+            new_accs_m.append(acc_m)
+        j_next = builder.add(j, ir.Constant(_i64, 1))
+        builder.cbranch(builder.icmp_signed("<", j_next, n_blocks), loop, done)
         loop_end = builder.basic_block
-        g.add_incoming(ir.Constant(_i64, 0), entry)
-        g.add_incoming(g_next, loop_end)
-        for phi, value in zip(accs, new_accs):
-            phi.add_incoming(zero, entry)
-            phi.add_incoming(value, loop_end)
+        j.add_incoming(ir.Constant(_i64, 0), entry)
+        j.add_incoming(j_next, loop_end)
+        for phis, values in ((accs, new_accs), (accs_m, new_accs_m)):
+            for phi, value in zip(phis, values):
+                phi.add_incoming(zero, entry)
+                phi.add_incoming(value, loop_end)
 
         builder.position_at_end(done)
         finals = []
         for r in range(n_x):
-            finals.append(builder.phi(_v8f32))
-            finals[r].add_incoming(zero, entry)
-            finals[r].add_incoming(new_accs[r], loop_end)
-        for r, v in enumerate(finals):
-            total = _lanes_reduced(builder, v, builder.fadd)  # lanes summed pairwise in a fixed order
-            builder.store(total, builder.gep(o.data, [builder.add(builder.mul(rows[r], n_out), n)]))
+            final, final_m = builder.phi(_v8f32), builder.phi(_v8f32)
+            for phi, value in ((final, new_accs[r]), (final_m, new_accs_m[r])):
+                phi.add_incoming(zero, entry)
+                phi.add_incoming(value, loop_end)
+            finals.append((final, final_m))
+        n_valid = builder.sub(n_out, n0)
+        whole = builder.icmp_signed(">=", n_valid, ir.Constant(_i64, LANES))
+        for r, (final, final_m) in enumerate(finals):
+            total = builder.fadd(final, final_m) if q4 else final
+            first = builder.gep(o.data, [builder.add(builder.mul(rows[r], n_out), n0)])
+            with builder.if_else(whole) as (all_lanes, some_lanes):
+                with all_lanes:
+                    builder.store(total, builder.bitcast(first, _v8f32.as_pointer()), align=4)
+                with some_lanes:  # the last group of a matrix whose rows are not a multiple of 8
+                    for lane in range(LANES):
+                        inside = builder.icmp_signed(">", n_valid, ir.Constant(_i64, lane))
+                        with builder.if_then(inside):
+                            builder.store(builder.extract_element(total, ir.Constant(_i32, lane)),
+                                          builder.gep(first, [ir.Constant(_i64, lane)]))
         return context.get_dummy_value()
 
-    row_dot.__name__ = row_dot.__qualname__ = f"{'q4_1' if q4 else 'q8_0'}_row_dot_{n_x}_{isa}"
-    return intrinsic(row_dot)
+    rows_dot.__name__ = rows_dot.__qualname__ = f"{'q4_1' if q4 else 'q8_0'}_rows_dot_{n_x}_{isa}"
+    return intrinsic(rows_dot)
 
 
 _ISA = INT8_ISA or "avx2"  # the kernels below are never called without one
-_q4_1_dot_1, _q4_1_dot_4, _q4_1_dot_8 = (_make_row_dot(True, n, _ISA) for n in (1, 4, 8))
-_q8_0_dot_1, _q8_0_dot_4, _q8_0_dot_8 = (_make_row_dot(False, n, _ISA) for n in (1, 4, 8))
+_q4_1_dot_1, _q4_1_dot_4, _q4_1_dot_8 = (_make_rows_dot(True, n, _ISA) for n in (1, 4, 8))
+_q8_0_dot_1, _q8_0_dot_4, _q8_0_dot_8 = (_make_rows_dot(False, n, _ISA) for n in (1, 4, 8))
 
 
 _KERNEL = dict(cache=True, nogil=True, error_model="numpy")
@@ -270,15 +285,15 @@ _KERNEL = dict(cache=True, nogil=True, error_model="numpy")
 
 @numba.njit(parallel=True, **_KERNEL)
 def _pack_rows(qtype, data, packed, n_blocks):
-    """GGUF Q4_1 / Q8_0 rows -> the grouped layout of `pack_weight` (the padding blocks stay zero)."""
+    """GGUF Q4_1 / Q8_0 rows -> the layout of `pack_weight` (lanes past the last row stay zero)."""
     block_bytes = 20 if qtype == Q4_1 else 34
     group_bytes = Q4_1_GROUP if qtype == Q4_1 else Q8_0_GROUP
     for n in numba.prange(data.shape[0]):
         src = data[n]
-        dst = packed[n]
+        dst = packed[n // LANES]
+        lane = n % LANES
         for blk in range(n_blocks):
-            g, lane = blk // GROUP_BLOCKS, blk % GROUP_BLOCKS
-            o, base = blk * block_bytes, g * group_bytes
+            o, base = blk * block_bytes, blk * group_bytes
             dst[base + 2 * lane] = src[o]  # f16 d
             dst[base + 2 * lane + 1] = src[o + 1]
             if qtype == Q4_1:
@@ -300,13 +315,13 @@ def _pack_rows(qtype, data, packed, n_blocks):
 
 def pack_weight(qtype: int, data: np.ndarray) -> np.ndarray:
     """A Q4_1 or Q8_0 weight's rows (raw GGUF bytes, (N, row_bytes) uint8) rearranged for the row dots, once at
-    load: per group of 8 blocks, Q4_1 as [8 f16 d][8 f16 m][4 x 32 bytes: vector t, lane i = bytes 4t..4t+3 of
-    block i's nibbles], Q8_0 as [8 f16 d][8 int32 128 * sum(q)][8 x 32 bytes: vector u, lane i = values
-    4u..4u+3 of block i]; a partial last group padded with zero blocks. Same size, plus the padding (and Q8_0's
-    corrections)."""
+    load: (ceil(N / 8), blocks * group bytes), row g holding weight rows 8g..8g+7 block by block. A block of
+    the 8 rows is, for Q4_1, [8 f16 d][8 f16 m][4 x 32 bytes: vector t, lane i = bytes 4t..4t+3 of row i's
+    nibbles], for Q8_0 [8 f16 d][8 int32 128 * sum(q)][8 x 32 bytes: vector u, lane i = values 4u..4u+3 of
+    row i]; the lanes past the last row are zero. Same size (plus Q8_0's corrections)."""
     n_blocks = data.shape[1] // (20 if qtype == Q4_1 else 34)
-    n_groups = -(-n_blocks // GROUP_BLOCKS)
-    packed = np.zeros((data.shape[0], n_groups * (Q4_1_GROUP if qtype == Q4_1 else Q8_0_GROUP)), np.uint8)
+    n_groups = -(-data.shape[0] // LANES)
+    packed = np.zeros((n_groups, n_blocks * (Q4_1_GROUP if qtype == Q4_1 else Q8_0_GROUP)), np.uint8)
     _pack_rows(qtype, data, packed, n_blocks)
     packed.flags.writeable = False
     return packed
@@ -318,10 +333,9 @@ def pack_weight(qtype: int, data: np.ndarray) -> np.ndarray:
 @intrinsic
 def _quantize_block(typingctx, x, xq, xd, xs, row, block, flip):
     """Block `block` (32 values) of row `row` of x into xq / xd / xs as `quantize_rows` describes, on 256-bit
-    vectors: max |x| and the non-finite test, 32 multiplies and rounds (vroundps), the int32 sum, and the 32
-    bytes stored as the 8 four-byte pieces of the grouped layout. Numba's scalar version of the same took 2-3x
-    longer (np.rint stays a scalar call there, and the scattered stores keep the loop scalar), which at batch
-    8 was ~8 us of every matmul spent on one thread."""
+    vectors: max |x| and the non-finite test, 32 multiplies and rounds (vroundps), the int32 sum, and one
+    store of the 32 bytes. Numba's scalar version of the same took 2-3x longer (np.rint stays a scalar call
+    there), which at batch 8 was ~8 us of every matmul spent on one thread."""
     sig = types.void(x, xq, xd, xs, row, block, flip)
 
     def codegen(context, builder, signature, args):
@@ -353,16 +367,10 @@ def _quantize_block(typingctx, x, xq, xd, xs, row, block, flip):
                                                                                      list(range(16))))
                   for h in range(2)]
         joined = builder.shuffle_vector(halves[0], halves[1], ir.Constant(ir.VectorType(_i32, 32), list(range(32))))
-        words = builder.bitcast(builder.xor(joined, _splat(builder, builder.trunc(flip, _i8), 32)), _v8i32)
-        group = builder.sdiv(blk, ir.Constant(_i64, GROUP_BLOCKS))
-        lane = builder.srem(blk, ir.Constant(_i64, GROUP_BLOCKS))
-        qfirst = builder.add(builder.mul(row, builder.extract_value(qa.shape, 1)),
-                             builder.add(builder.mul(group, ir.Constant(_i64, GROUP_BYTES)),
-                                         builder.mul(lane, ir.Constant(_i64, 4))))
+        flipped = builder.xor(joined, _splat(builder, builder.trunc(flip, _i8), 32))
+        qfirst = builder.add(builder.mul(row, builder.extract_value(qa.shape, 1)), builder.mul(blk, ir.Constant(_i64, QK)))
         qptr = builder.gep(builder.bitcast(qa.data, _i8.as_pointer()), [qfirst])
-        for u in range(8):  # values 4u..4u+3 go to vector u of the group, this block's lane
-            piece = builder.bitcast(builder.gep(qptr, [ir.Constant(_i64, 32 * u)]), _i32.as_pointer())
-            builder.store(builder.extract_element(words, ir.Constant(_i32, u)), piece, align=4)
+        builder.store(flipped, builder.bitcast(qptr, _v32i8.as_pointer()), align=1)
         at = builder.add(builder.mul(row, builder.extract_value(da.shape, 1)), blk)
         builder.store(d, builder.gep(da.data, [at]))
         builder.store(builder.fmul(d, builder.sitofp(total, _f32)), builder.gep(sa.data, [at]))
@@ -393,10 +401,9 @@ _PARALLEL_QUANTIZE_MIN = 1 << 15
 @numba.njit(**_KERNEL)
 def _quantize(x, flip):
     batch, k_dim = x.shape
-    n_groups = (k_dim + GROUP_BYTES - 1) // GROUP_BYTES
-    xq = np.zeros((batch, n_groups * GROUP_BYTES), dtype=np.int8)
-    xd = np.zeros((batch, n_groups * GROUP_BLOCKS), dtype=np.float32)
-    xs = np.zeros((batch, n_groups * GROUP_BLOCKS), dtype=np.float32)
+    xq = np.empty((batch, k_dim), dtype=np.int8)
+    xd = np.empty((batch, k_dim // QK), dtype=np.float32)
+    xs = np.empty((batch, k_dim // QK), dtype=np.float32)
     if x.size >= _PARALLEL_QUANTIZE_MIN:
         _quantize_rows_parallel(x, xq, xd, xs, flip)
     else:
@@ -410,23 +417,10 @@ def _flip(qtype: int, isa: str | None) -> np.int32:
 
 
 def quantize_rows(x: np.ndarray, offset: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """x float32 (B, K), K a multiple of 32 -> the operands of the row dots: xq int8 (B, G * 256), xd float32
-    (B, G * 8), xs float32 (B, G * 8), G = ceil(K / 256) groups of 8 blocks, the missing blocks of the last
-    group zero. xd and xs are per block in order (d, and d * sum(q)); within a group xq holds 8 vectors of 32
-    bytes, vector u lane i (bytes 4i..4i+3) = values 4u..4u+3 of block i. offset: the bytes hold q + 128 (as
-    uint8) instead of q. `unpack_quantized` gives the plain (B, K) view."""
+    """x float32 (B, K), K a multiple of 32 -> the operands of the row dots: q int8 (B, K), d float32 (B, K / 32)
+    and d * sum(q) float32 (B, K / 32), per block of 32 values. offset: the bytes hold q + 128 (as uint8)
+    instead of q (Q8_0's operand on VNNI)."""
     return _quantize(x, np.int32(-128 if offset else 0))
-
-
-def unpack_quantized(xq: np.ndarray, xd: np.ndarray, xs: np.ndarray, k_dim: int, offset: bool = False
-                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The layout of `quantize_rows` back in plain order: q int8 (B, K), d and d * sum(q) (B, K / 32)."""
-    batch, n_blocks = xq.shape[0], k_dim // QK
-    if offset:
-        xq = xq ^ np.int8(-128)
-    groups = xq.reshape(batch, -1, 8, GROUP_BLOCKS, 4)  # group, vector u, lane (block), byte
-    plain = groups.transpose(0, 1, 3, 2, 4).reshape(batch, -1)[:, :k_dim]
-    return plain, xd[:, :n_blocks], xs[:, :n_blocks]
 
 
 # --- matmul ----------------------------------------------------------------------------------------------
@@ -434,36 +428,37 @@ def unpack_quantized(xq: np.ndarray, xd: np.ndarray, xs: np.ndarray, k_dim: int,
 
 @numba.njit(parallel=True, **_KERNEL)
 def _gemm_int8(qtype, packed, xq, xd, xs, out, n_chunks):
-    """out[b, n] = row_dot(W[n], x[b]) for every pair; rows split into about n_chunks chunks over the threads.
-    Each weight row is used for every activation row while it is in L1."""
-    n_rows = packed.shape[0]
+    """out[b, n] = row_dot(W[n], x[b]) for every pair; groups of 8 weight rows split into about n_chunks chunks
+    over the threads. Each group's blocks are used for every activation row while they are in L1."""
+    n_groups = packed.shape[0]
     batch = xq.shape[0]
-    chunk = (n_rows + n_chunks - 1) // n_chunks
-    for c in numba.prange((n_rows + chunk - 1) // chunk):
+    chunk = (n_groups + n_chunks - 1) // n_chunks
+    for c in numba.prange((n_groups + chunk - 1) // chunk):
         start = c * chunk
-        end = min(n_rows, start + chunk)
-        for n in range(start, end):
-            wrow = packed[n]
+        end = min(n_groups, start + chunk)
+        for g in range(start, end):
+            wgroup = packed[g]
+            n0 = g * LANES
             b = 0
             if qtype == Q4_1:
                 while b + 8 <= batch:
-                    _q4_1_dot_8(wrow, xq, xd, xs, b, out, n)
+                    _q4_1_dot_8(wgroup, xq, xd, xs, b, out, n0)
                     b += 8
                 while b + 4 <= batch:
-                    _q4_1_dot_4(wrow, xq, xd, xs, b, out, n)
+                    _q4_1_dot_4(wgroup, xq, xd, xs, b, out, n0)
                     b += 4
                 while b < batch:
-                    _q4_1_dot_1(wrow, xq, xd, xs, b, out, n)
+                    _q4_1_dot_1(wgroup, xq, xd, xs, b, out, n0)
                     b += 1
             else:
                 while b + 8 <= batch:
-                    _q8_0_dot_8(wrow, xq, xd, xs, b, out, n)
+                    _q8_0_dot_8(wgroup, xq, xd, xs, b, out, n0)
                     b += 8
                 while b + 4 <= batch:
-                    _q8_0_dot_4(wrow, xq, xd, xs, b, out, n)
+                    _q8_0_dot_4(wgroup, xq, xd, xs, b, out, n0)
                     b += 4
                 while b < batch:
-                    _q8_0_dot_1(wrow, xq, xd, xs, b, out, n)
+                    _q8_0_dot_1(wgroup, xq, xd, xs, b, out, n0)
                     b += 1
 
 
@@ -484,16 +479,16 @@ def matmul(qtype: int, packed: np.ndarray, x: np.ndarray, out: np.ndarray) -> No
 def _serial_gemm(isa: str) -> Any:
     """A one-row-at-a-time gemm on the kernels of another instruction set (not cached on disk), for tests: on a
     VNNI machine the AVX2 variant runs too, and must give the same bits (the integer sums are exact either way)."""
-    q4_1_dot, q8_0_dot = _make_row_dot(True, 1, isa), _make_row_dot(False, 1, isa)
+    q4_1_dot, q8_0_dot = _make_rows_dot(True, 1, isa), _make_rows_dot(False, 1, isa)
 
     @numba.njit(nogil=True, error_model="numpy")
     def gemm(qtype, packed, xq, xd, xs, out):
-        for n in range(packed.shape[0]):
+        for g in range(packed.shape[0]):
             for b in range(xq.shape[0]):
                 if qtype == Q4_1:
-                    q4_1_dot(packed[n], xq, xd, xs, b, out, n)
+                    q4_1_dot(packed[g], xq, xd, xs, b, out, g * LANES)
                 else:
-                    q8_0_dot(packed[n], xq, xd, xs, b, out, n)
+                    q8_0_dot(packed[g], xq, xd, xs, b, out, g * LANES)
 
     return gemm
 
