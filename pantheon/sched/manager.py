@@ -21,6 +21,7 @@ from pantheon.config import MAX_MODEL_DIES, EnvKnobs, ModelOptions
 from pantheon.engine.loader import LoadedModel, load_served_model
 from pantheon.errors import ApiError, ModelLoadError
 from pantheon.metrics import Metrics
+from pantheon.sched.forward_thread import ForwardThread
 from pantheon.sched.memory import read_meminfo
 from pantheon.sched.registry import ModelInstance, Registry
 from pantheon.sched.scheduler import Scheduler
@@ -50,6 +51,15 @@ class ModelManager:
         self.dies_visible = die_manager.count() if die_manager is not None else 0
         self._load_lock = trio.Lock()
         self._nursery: trio.Nursery | None = None
+        # One forward thread per backend (see forward_thread.py): every model on the host backend loads and
+        # steps on the same thread, so numba keeps a single OpenMP team.
+        self._forward_threads: dict[int, ForwardThread] = {}
+
+    def _forward_thread(self, backend: Any) -> ForwardThread:
+        key = id(getattr(backend, "_inner", backend))  # QuantizeAtLoad wraps the backend it loads with
+        if key not in self._forward_threads:
+            self._forward_threads[key] = ForwardThread()
+        return self._forward_threads[key]
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Hosts the instances' scheduler tasks; lives in the root nursery."""
@@ -104,7 +114,7 @@ class ModelManager:
             self._validate(options)  # again: the registry may have changed while we waited
             try:
                 backend = self._backend_for(options)
-                served: LoadedModel = await trio.to_thread.run_sync(
+                served: LoadedModel = await self._forward_thread(backend).run(
                     load_served_model, options, self.env, backend)
             except FileNotFoundError as exc:
                 raise load_failed(404, str(exc)) from None
@@ -129,7 +139,7 @@ class ModelManager:
         scheduler = Scheduler(served, max_sessions=opts.resolved_max_sessions,
                               max_concurrent=opts.resolved_max_concurrent, queue_depth=env.queue_depth,
                               batched=env.batch_slots, idle_ttl_s=env.session_idle_ttl_ms / 1000.0,
-                              metrics=self.metrics)
+                              metrics=self.metrics, forward_thread=self._forward_thread(backend))
         dies = opts.dies or ((backend.die,) if backend.accelerator else ())
         instance = ModelInstance(served, scheduler, dies=dies, weights_bytes=weights, state_bytes=state,
                                  backend=backend)
@@ -176,4 +186,7 @@ class ModelManager:
                 close = getattr(inst.backend, "close", None)
                 if close is not None and inst.backend is not self.backend:
                     close()
+                    thread = self._forward_threads.pop(id(inst.backend), None)
+                    if thread is not None:
+                        thread.close()
         log.info("unloaded %s", name)

@@ -35,6 +35,7 @@ from pantheon.engine.sessions import SessionTable, SlotInfo
 from pantheon.errors import ApiError
 from pantheon.metrics import Metrics
 from pantheon.models.base import BatchRow
+from pantheon.sched.forward_thread import ForwardThread
 from pantheon.sched.jobs import ErrorEvent, Event, FinishEvent, GenerationJob, TokenEvent, Usage
 
 log = logging.getLogger("pantheon.sched")
@@ -83,8 +84,12 @@ class Waiting:
 class Scheduler:
     def __init__(self, served: LoadedModel, *, max_sessions: int, max_concurrent: int, queue_depth: int,
                  batched: bool = True, idle_ttl_s: float = 12 * 3600.0,
-                 prefill_chunk: int = PREFILL_CHUNK, metrics: Metrics | None = None) -> None:
+                 prefill_chunk: int = PREFILL_CHUNK, metrics: Metrics | None = None,
+                 forward_thread: ForwardThread | None = None) -> None:
         self.served = served
+        # Every forward pass on one thread (see forward_thread.py); the model manager shares one per backend.
+        self._owns_forward_thread = forward_thread is None
+        self.forward_thread = forward_thread if forward_thread is not None else ForwardThread()
         self.metrics = metrics or Metrics()
         self.batched = batched
         # Legacy path (no batch scheduler): one generation at a time, nothing queues.
@@ -131,6 +136,8 @@ class Scheduler:
     def release_state(self) -> None:
         """Drop the sequence state (the instance was unloaded)."""
         self.state = None
+        if self._owns_forward_thread:
+            self.forward_thread.close()
 
     def apply_limits(self, concurrency: int, window: int, critical: bool) -> None:
         """Called by the memory monitor; takes effect at once for admission and advertised numbers."""
@@ -225,7 +232,7 @@ class Scheduler:
             rows, owners, prefill = self._plan()
             started = time.monotonic()
             try:
-                samples = await trio.to_thread.run_sync(self._execute, rows, owners)
+                samples = await self.forward_thread.run(self._execute, rows, owners)
             except Exception as exc:  # a failed forward fails its jobs, never the scheduler
                 log.exception("forward step failed")
                 self._fail(owners, exc)
