@@ -56,7 +56,7 @@ class ModelManager:
         self._forward_threads: dict[int, ForwardThread] = {}
 
     def _forward_thread(self, backend: Any) -> ForwardThread:
-        key = id(getattr(backend, "_inner", backend))  # QuantizeAtLoad wraps the backend it loads with
+        key = id(backend)
         if key not in self._forward_threads:
             self._forward_threads[key] = ForwardThread()
         return self._forward_threads[key]
