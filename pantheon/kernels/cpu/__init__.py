@@ -5,8 +5,14 @@ test VM (`bench/concurrency.py --levels 1,8`, 2026-11-29): omp 146 tok/s single-
 streams; workqueue 43 and 211 (its threads sleep between launches, and a decode step launches a few hundred
 kernels); tbb is not installed there and untested, so it comes after omp instead of numba's default first.
 NUMBA_THREADING_LAYER, when set, still wins.
+
+HOST_CPU_FEATURES: LLVM's names of this CPU's features ("+avx2", "+f16c", ...), which decide the int8
+kernels' instruction set and whether a float16 KV cache can be converted in registers.
 """
 
+import llvmlite.binding as llvm_binding
 import numba
 
 numba.config.THREADING_LAYER_PRIORITY = ["omp", "tbb", "workqueue"]
+
+HOST_CPU_FEATURES: frozenset[str] = frozenset(llvm_binding.get_host_cpu_features().flatten().split(","))

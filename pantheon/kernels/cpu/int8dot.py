@@ -37,13 +37,14 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-import llvmlite.binding as llvm_binding
 import numba
 import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
+
+from pantheon.kernels.cpu import HOST_CPU_FEATURES
 
 __all__ = ["INT8_ISA", "INT8_TYPES", "matmul", "pack_weight", "quantize_rows"]
 
@@ -57,7 +58,7 @@ Q4_1_GROUP, Q8_0_GROUP = 160, 304
 
 
 def _detect_isa() -> str | None:
-    features = set(llvm_binding.get_host_cpu_features().flatten().split(","))
+    features = HOST_CPU_FEATURES
     if "+avx512vnni" in features and "+avx512vl" in features or "+avxvnni" in features:
         return "vnni"
     if "+avx2" in features:

@@ -12,13 +12,14 @@ The numpy references these are tested against live in `pantheon.kernels.referenc
 
 from __future__ import annotations
 
-import llvmlite.binding as llvm_binding
 import numba
 import numpy as np
 from llvmlite import ir
 from numba import prange
 from numba.core import types
 from numba.extending import intrinsic
+
+from pantheon.kernels.cpu import HOST_CPU_FEATURES
 
 # 'reassoc' lets LLVM vectorize sum and dot reductions; 'contract' allows FMAs. Neither assumes finite
 # values, so NaN and inf still propagate the way IEEE says. error_model="numpy" drops the ZeroDivisionError
@@ -121,7 +122,7 @@ def _f32_to_kv(typingctx, value, pool):
 
 
 # Without F16C, LLVM would lower the conversions to runtime-library calls that numba's JIT may not link.
-HAS_F16C = "+f16c" in llvm_binding.get_host_cpu_features().flatten().split(",")
+HAS_F16C = "+f16c" in HOST_CPU_FEATURES
 
 
 def kernel_view(cache: np.ndarray) -> np.ndarray:
@@ -236,22 +237,31 @@ def _rope_angles(positions, n_rot, freq_base, freq_scale, cos_table, sin_table):
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy", inline="always")
-def _rope_token(x, neox, cos_row, sin_row, t):
+def _rotate_head(row, src, neox, cos_row, sin_row, dst):
+    """dst (hd,) = the head at row[src : src + hd] with its first n_rot dims turned pair by pair (see
+    `rope_inplace`), in dst's element type (a float16 cache's bits, or float32). dst may be that very head:
+    each pair is read before it is written."""
     half = cos_row.shape[0]
+    if neox:
+        for i in range(half):
+            a = row[src + i]
+            b = row[src + i + half]
+            dst[i] = _f32_to_kv(a * cos_row[i] - b * sin_row[i], dst)
+            dst[i + half] = _f32_to_kv(a * sin_row[i] + b * cos_row[i], dst)
+    else:
+        for i in range(half):
+            a = row[src + 2 * i]
+            b = row[src + 2 * i + 1]
+            dst[2 * i] = _f32_to_kv(a * cos_row[i] - b * sin_row[i], dst)
+            dst[2 * i + 1] = _f32_to_kv(a * sin_row[i] + b * cos_row[i], dst)
+    for c in range(2 * half, dst.shape[0]):  # dims past n_rot are not rotated
+        dst[c] = _f32_to_kv(row[src + c], dst)
+
+
+@numba.njit(cache=True, nogil=True, error_model="numpy", inline="always")
+def _rope_token(x, neox, cos_row, sin_row, t):
     for h in range(x.shape[1]):
-        head = x[t, h]
-        if neox:
-            for i in range(half):
-                a = head[i]
-                b = head[i + half]
-                head[i] = a * cos_row[i] - b * sin_row[i]
-                head[i + half] = a * sin_row[i] + b * cos_row[i]
-        else:
-            for i in range(half):
-                a = head[2 * i]
-                b = head[2 * i + 1]
-                head[2 * i] = a * cos_row[i] - b * sin_row[i]
-                head[2 * i + 1] = a * sin_row[i] + b * cos_row[i]
+        _rotate_head(x[t, h], 0, neox, cos_row, sin_row, x[t, h])
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
@@ -286,6 +296,11 @@ def _angle_tables(positions: np.ndarray, n_rot: int, freq_base: float, freq_scal
     return tables
 
 
+def _check_n_rot(n_rot: int, head_dim: int) -> None:
+    if n_rot % 2 or not 0 < n_rot <= head_dim:
+        raise ValueError(f"n_rot must be even and in (0, head_dim={head_dim}], got {n_rot}")
+
+
 def rope_inplace(
     x: np.ndarray,
     positions: np.ndarray,
@@ -301,8 +316,7 @@ def rope_inplace(
     neox=False pairs dims (2i, 2i + 1) (llama.cpp LLAMA_ROPE_TYPE_NORM); neox=True pairs (i, i + n_rot / 2)
     (LLAMA_ROPE_TYPE_NEOX). Dims from n_rot on are left as they are.
     """
-    if n_rot % 2 or not 0 < n_rot <= x.shape[2]:
-        raise ValueError(f"n_rot must be even and in (0, head_dim={x.shape[2]}], got {n_rot}")
+    _check_n_rot(n_rot, x.shape[2])
     if len(positions) != x.shape[0]:
         raise ValueError(f"rope: {len(positions)} positions for {x.shape[0]} rows")
     cos_table, sin_table = _angle_tables(np.asarray(positions), n_rot, float(freq_base), float(freq_scale))
@@ -310,27 +324,6 @@ def rope_inplace(
         _rope_parallel(x, bool(neox), cos_table, sin_table)
     else:
         _rope_serial(x, bool(neox), cos_table, sin_table)
-
-
-@numba.njit(cache=True, nogil=True, error_model="numpy", inline="always")
-def _rotate_head(row, src, neox, cos_row, sin_row, dst):
-    """dst (hd,) = the head at row[src : src + hd] rotated as `_rope_token` rotates it (same arithmetic), in
-    dst's element type (a float16 cache's bits, or float32)."""
-    half = cos_row.shape[0]
-    if neox:
-        for i in range(half):
-            a = row[src + i]
-            b = row[src + i + half]
-            dst[i] = _f32_to_kv(a * cos_row[i] - b * sin_row[i], dst)
-            dst[i + half] = _f32_to_kv(a * sin_row[i] + b * cos_row[i], dst)
-    else:
-        for i in range(half):
-            a = row[src + 2 * i]
-            b = row[src + 2 * i + 1]
-            dst[2 * i] = _f32_to_kv(a * cos_row[i] - b * sin_row[i], dst)
-            dst[2 * i + 1] = _f32_to_kv(a * sin_row[i] + b * cos_row[i], dst)
-    for c in range(2 * half, dst.shape[0]):  # dims past n_rot are not rotated
-        dst[c] = _f32_to_kv(row[src + c], dst)
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy", inline="always")
@@ -391,8 +384,7 @@ def rope_qkv_into_cache(
     if qkv.ndim != 2 or qkv.shape[1] != (n_q_heads + 2 * n_kv) * head_dim or v_pool.shape != k_pool.shape:
         raise ValueError(f"rope_qkv_into_cache: projection {qkv.shape} for {n_q_heads} query heads and caches "
                          f"{k_pool.shape} / {v_pool.shape}")
-    if n_rot % 2 or not 0 < n_rot <= head_dim:
-        raise ValueError(f"n_rot must be even and in (0, head_dim={head_dim}], got {n_rot}")
+    _check_n_rot(n_rot, head_dim)
     n_tok = qkv.shape[0]
     slots, positions = np.asarray(slots), np.asarray(positions)
     if not len(slots) == len(positions) == n_tok:
@@ -431,15 +423,19 @@ def kv_write(pool: np.ndarray, slots: np.ndarray, positions: np.ndarray, values:
 # --- swiglu --------------------------------------------------------------------------------------------
 
 
+@numba.njit(cache=True, nogil=True, fastmath=_FASTMATH, error_model="numpy", inline="always")
+def _silu_times(g, u):
+    # exp(-g) overflows to inf for g < -88.4 and g / inf is -0, which is the right limit.
+    return g / (np.float32(1.0) + _exp_f32(-g)) * u
+
+
 @_njit
 def _swiglu_row(gate, up, out, t):
     gate_row = gate[t]
     up_row = up[t]
     out_row = out[t]
     for i in range(gate_row.shape[0]):
-        g = gate_row[i]
-        # exp(-g) overflows to inf for g < -88.4 and g / inf is -0, which is the right limit.
-        out_row[i] = g / (np.float32(1.0) + _exp_f32(-g)) * up_row[i]
+        out_row[i] = _silu_times(gate_row[i], up_row[i])
 
 
 @_njit
@@ -460,8 +456,7 @@ def _swiglu_stacked_row(gate_up, out, t):
     out_row = out[t]
     width = out_row.shape[0]
     for i in range(width):
-        g = row[i]
-        out_row[i] = g / (np.float32(1.0) + _exp_f32(-g)) * row[width + i]
+        out_row[i] = _silu_times(row[i], row[width + i])
 
 
 @_njit
