@@ -345,8 +345,15 @@ def stacked_caches(rng, positions, slot_ids, n_slots, ctx, n_kv_heads, head_dim)
     return k_all, v_all
 
 
-@pytest.mark.parametrize("heads", HEAD_LAYOUTS)
-@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+# Decode attention runs the query heads of a kv head together in groups of up to 4 (attend_ir), so groups of
+# 6 and 8 exercise the group split; head dims that are multiples of 16 take the vector intrinsics (48: a block
+# of 2 chunks and one of 1), others (40) the plain loops.
+DECODE_HEAD_LAYOUTS = [*HEAD_LAYOUTS, (32, 8), (12, 2), (16, 2)]
+DECODE_HEAD_DIMS = [*HEAD_DIMS, 128, 48, 40]
+
+
+@pytest.mark.parametrize("heads", DECODE_HEAD_LAYOUTS)
+@pytest.mark.parametrize("head_dim", DECODE_HEAD_DIMS)
 def test_decode_batch_equals_per_sequence_attention(heads, head_dim):
     n_q_heads, n_kv_heads = heads
     rng = np.random.default_rng(n_q_heads * 10 + head_dim)
@@ -361,6 +368,49 @@ def test_decode_batch_equals_per_sequence_attention(heads, head_dim):
         assert_close(batched[b : b + 1], single, rel=1e-6)
         expected = ref.attention(q[b : b + 1], k_all[slot], v_all[slot], int(pos), scale)
         assert_close(batched[b : b + 1], expected)
+
+
+@pytest.mark.parametrize("kv_dtype", [np.float32, np.float16])
+def test_decode_batch_long_contexts_are_split_and_merged(kv_dtype):
+    """Keys past DECODE_SPLIT_KEYS are attended in separate work items whose softmax states are merged."""
+    rng = np.random.default_rng(33)
+    positions = np.array([ops.DECODE_SPLIT_KEYS - 1, ops.DECODE_SPLIT_KEYS, 2 * ops.DECODE_SPLIT_KEYS + 300, 7],
+                         dtype=np.int32)
+    slot_ids = np.array([1, 2, 0, 3], dtype=np.int32)
+    k_all, v_all = stacked_caches(rng, positions, slot_ids, 4, 1400, 3, 64)
+    k_all, v_all = k_all.astype(kv_dtype), v_all.astype(kv_dtype)
+    q = random(rng, (len(positions), 9, 64), scale=2.0)
+    batched = ops.attention_decode_batch(q, k_all, v_all, positions, 0.125, slot_ids=slot_ids)
+    for b, (slot, pos) in enumerate(zip(slot_ids, positions)):
+        q_b = q[b : b + 1] if kv_dtype == np.float32 else q[b : b + 1].astype(np.float16).astype(np.float32)
+        expected = ref.attention(q_b, k_all[slot].astype(np.float32), v_all[slot].astype(np.float32), int(pos), 0.125)
+        assert_close(batched[b : b + 1], expected, rel=1e-4 if kv_dtype == np.float32 else 5e-4)
+
+
+@pytest.mark.parametrize("heads", [(9, 3), (32, 8), (8, 1)])
+@pytest.mark.parametrize("kv_dtype", [np.float32, np.float16])
+def test_decode_batch_bits_do_not_depend_on_the_batch_or_threads(heads, kv_dtype):
+    """A sequence's output is the same bits alone (where its query heads are split over the threads) as in a
+    batch, and with one thread as with all: batching never changes a greedy token."""
+    n_q_heads, n_kv_heads = heads
+    rng = np.random.default_rng(n_q_heads)
+    positions = np.array([40, 700, 3, 129, 64], dtype=np.int32)
+    slot_ids = np.array([4, 0, 2, 1, 3], dtype=np.int32)
+    k_all, v_all = stacked_caches(rng, positions, slot_ids, 5, 800, n_kv_heads, 64)
+    k_all, v_all = k_all.astype(kv_dtype), v_all.astype(kv_dtype)
+    q = random(rng, (len(positions), n_q_heads, 64))
+    batched = ops.attention_decode_batch(q, k_all, v_all, positions, 0.125, slot_ids=slot_ids)
+    for b in range(len(positions)):
+        alone = ops.attention_decode_batch(q[b : b + 1], k_all, v_all, positions[b : b + 1], 0.125,
+                                           slot_ids=slot_ids[b : b + 1])
+        np.testing.assert_array_equal(alone, batched[b : b + 1])
+    threads = numba.get_num_threads()
+    try:
+        numba.set_num_threads(1)
+        one_thread = ops.attention_decode_batch(q, k_all, v_all, positions, 0.125, slot_ids=slot_ids)
+    finally:
+        numba.set_num_threads(threads)
+    np.testing.assert_array_equal(one_thread, batched)
 
 
 def test_decode_batch_default_slots_and_out():

@@ -20,6 +20,7 @@ from numba.core import types
 from numba.extending import intrinsic
 
 from pantheon.kernels.cpu import HOST_CPU_FEATURES
+from pantheon.kernels.cpu.attend_ir import LANES, MAX_WIDTH, key_scores_intrinsic, value_accumulate_intrinsic
 
 # 'reassoc' lets LLVM vectorize sum and dot reductions; 'contract' allows FMAs. Neither assumes finite
 # values, so NaN and inf still propagate the way IEEE says. error_model="numpy" drops the ZeroDivisionError
@@ -37,6 +38,10 @@ ROPE_PARALLEL_MIN_TOKENS = 16
 
 # Attention tiling: KEY_TILE keys (of K and V) stay in L1 while QUERY_BLOCK query rows of one head use them.
 KEY_TILE = 64
+# Decode attention splits a sequence's keys into runs of this many, each its own work item, merged at the end
+# (so a long context keeps both threads busy even at batch 1). Fixed, not derived from the batch or the
+# thread count, so a sequence's result does not depend on what else was batched with it.
+DECODE_SPLIT_KEYS = 512
 # Softmax weights (relative to the running max, which weighs 1) below this add nothing a float32 sum can
 # hold; skipping them also keeps denormal products (slow on x86) out of the accumulator.
 MIN_WEIGHT = np.float32(2.0**-40)
@@ -587,8 +592,149 @@ def _attention_kernel(q, k_cache, v_cache, start_pos, scale, out):
         )
 
 
+# One intrinsic per number of query heads handled together (1 .. MAX_WIDTH).
+_key_scores_1, _key_scores_2, _key_scores_3, _key_scores_4 = (key_scores_intrinsic(w) for w in range(1, 5))
+_values_1, _values_2, _values_3, _values_4 = (value_accumulate_intrinsic(w) for w in range(1, 5))
+
+
+@_njit
+def _scores_for_heads(q_rows, h, width, keys, kvh, j0, n, scale, scores, col):
+    if width == 4:
+        _key_scores_4(q_rows, h, keys, kvh, j0, n, scale, scores, col)
+    elif width == 3:
+        _key_scores_3(q_rows, h, keys, kvh, j0, n, scale, scores, col)
+    elif width == 2:
+        _key_scores_2(q_rows, h, keys, kvh, j0, n, scale, scores, col)
+    else:
+        _key_scores_1(q_rows, h, keys, kvh, j0, n, scale, scores, col)
+
+
+@_njit
+def _values_for_heads(acc, h, width, weights, values, kvh, j0, n):
+    if width == 4:
+        _values_4(acc, h, weights, values, kvh, j0, n)
+    elif width == 3:
+        _values_3(acc, h, weights, values, kvh, j0, n)
+    elif width == 2:
+        _values_2(acc, h, weights, values, kvh, j0, n)
+    else:
+        _values_1(acc, h, weights, values, kvh, j0, n)
+
+
+@_njit
+def _attend_group(q_rows, keys, values, kvh, k_lo, k_hi, scale, row_max, row_sum, acc, scores):
+    """Online softmax of the query rows q_rows (G, hd) of kv head kvh over key rows k_lo .. k_hi - 1.
+
+    The arithmetic of `_attend_rows` for one row per head, except that a score's dot product is summed in
+    another order (attend_ir): per tile of KEY_TILE keys, the scores of every head, then each head's running
+    max and sum and its rescaled accumulator, then the weighted values. Weights below MIN_WEIGHT become 0,
+    which add nothing (`_attend_rows` skips those rows)."""
+    group = q_rows.shape[0]
+    for k0 in range(k_lo, k_hi, KEY_TILE):
+        k1 = min(k_hi, k0 + KEY_TILE)
+        for h in range(0, group, MAX_WIDTH):
+            width = min(MAX_WIDTH, group - h)
+            for j0 in range(k0, k1, LANES):
+                _scores_for_heads(q_rows, h, width, keys, kvh, j0, min(LANES, k1 - j0), scale, scores, j0 - k0)
+        for h in range(group):
+            old_max = row_max[h]
+            new_max = old_max
+            for j in range(k1 - k0):
+                new_max = max(new_max, scores[h, j])
+            correction = _exp_f32(old_max - new_max)
+            total = row_sum[h] * correction
+            if correction != 1.0:
+                for c in range(acc.shape[1]):
+                    acc[h, c] *= correction
+            for j in range(k1 - k0):
+                p = _exp_f32(scores[h, j] - new_max)
+                total += p
+                weight = _kv_to_f32(_f32_to_kv(p, values))  # float16 over a float16 cache
+                scores[h, j] = np.float32(0.0) if weight < MIN_WEIGHT else weight
+            row_sum[h] = total
+            row_max[h] = new_max
+        for h in range(0, group, MAX_WIDTH):
+            _values_for_heads(acc, h, min(MAX_WIDTH, group - h), scores, values, kvh, k0, k1 - k0)
+
+
 @_njit_parallel
-def _attention_decode_kernel(q, k_all, v_all, slot_ids, positions, scale, out):
+def _attention_decode_kernel(q, k_all, v_all, slot_ids, positions, scale, out, n_threads):
+    n_seqs, n_q_heads, head_dim = q.shape
+    n_slots, ctx, n_kv_heads = k_all.shape[0], k_all.shape[1], k_all.shape[2]
+    group = n_q_heads // n_kv_heads
+    # A work item is (sequence, kv head, subgroup of its query heads, run of DECODE_SPLIT_KEYS keys). The
+    # query heads of a kv head are split into subgroups only when there are too few items for the threads
+    # (batch 1): a head's arithmetic is the same whatever subgroup it is in, so this changes no bits.
+    n_subgroups = min(group, (2 * n_threads + n_seqs * n_kv_heads - 1) // (n_seqs * n_kv_heads))
+    per_subgroup = (group + n_subgroups - 1) // n_subgroups
+    n_subgroups = (group + per_subgroup - 1) // per_subgroup
+    per_split = n_kv_heads * n_subgroups
+    first_item = np.empty(n_seqs + 1, dtype=np.int64)  # sequence b's items are first_item[b] ..
+    first_item[0] = 0
+    for b in range(n_seqs):
+        if slot_ids[b] < 0 or slot_ids[b] >= n_slots:
+            raise ValueError("attention_decode_batch: slot id out of range")
+        if positions[b] < 0 or positions[b] >= ctx:
+            raise ValueError("attention_decode_batch: position outside the KV cache")
+        n_splits = (positions[b] + DECODE_SPLIT_KEYS) // DECODE_SPLIT_KEYS
+        first_item[b + 1] = first_item[b] + per_split * n_splits
+    max_splits = (ctx + DECODE_SPLIT_KEYS - 1) // DECODE_SPLIT_KEYS
+    scale32 = np.float32(scale)
+    part_max = np.empty((n_seqs, n_q_heads, max_splits), dtype=np.float32)
+    part_sum = np.empty((n_seqs, n_q_heads, max_splits), dtype=np.float32)
+    part_acc = np.empty((n_seqs, n_q_heads, max_splits, head_dim), dtype=np.float32)
+    for item in prange(first_item[n_seqs]):
+        b = 0
+        while first_item[b + 1] <= item:
+            b += 1
+        local = item - first_item[b]
+        split = local // per_split
+        kvh = (local % per_split) // n_subgroups
+        h0 = kvh * group + (local % n_subgroups) * per_subgroup  # the subgroup's first query head
+        n_heads = min(per_subgroup, (kvh + 1) * group - h0)
+        k_lo = split * DECODE_SPLIT_KEYS
+        k_hi = min(positions[b] + 1, k_lo + DECODE_SPLIT_KEYS)
+        keys = k_all[slot_ids[b]]
+        values = v_all[slot_ids[b]]
+        q_rows = np.empty((n_heads, head_dim), dtype=np.float32)
+        for i in range(n_heads):
+            for c in range(head_dim):
+                q_rows[i, c] = _kv_to_f32(_f32_to_kv(q[b, h0 + i, c], keys))
+        row_max = np.full(n_heads, -np.inf, dtype=np.float32)
+        row_sum = np.zeros(n_heads, dtype=np.float32)
+        acc = np.zeros((n_heads, head_dim), dtype=np.float32)
+        scores = np.empty((n_heads, KEY_TILE), dtype=np.float32)
+        _attend_group(q_rows, keys, values, kvh, k_lo, k_hi, scale32, row_max, row_sum, acc, scores)
+        for i in range(n_heads):
+            part_max[b, h0 + i, split] = row_max[i]
+            part_sum[b, h0 + i, split] = row_sum[i]
+            part_acc[b, h0 + i, split] = acc[i]
+    for b in range(n_seqs):
+        n_splits = (positions[b] + DECODE_SPLIT_KEYS) // DECODE_SPLIT_KEYS
+        for head in range(n_q_heads):
+            out_row = out[b, head]
+            if n_splits == 1:  # the common case, and the arithmetic of `_attend_rows`
+                inv_total = np.float32(1.0) / part_sum[b, head, 0]
+                for c in range(head_dim):
+                    out_row[c] = part_acc[b, head, 0, c] * inv_total
+                continue
+            top = part_max[b, head, 0]
+            for split in range(1, n_splits):
+                top = max(top, part_max[b, head, split])
+            total = np.float32(0.0)
+            out_row[:] = 0.0
+            for split in range(n_splits):
+                factor = _exp_f32(part_max[b, head, split] - top)
+                total += part_sum[b, head, split] * factor
+                for c in range(head_dim):
+                    out_row[c] += part_acc[b, head, split, c] * factor
+            inv_total = np.float32(1.0) / total
+            for c in range(head_dim):
+                out_row[c] *= inv_total
+
+
+@_njit_parallel
+def _attention_decode_rows_kernel(q, k_all, v_all, slot_ids, positions, scale, out):
     n_seqs, n_q_heads, head_dim = q.shape
     n_slots, ctx = k_all.shape[0], k_all.shape[1]
     for b in range(n_seqs):
@@ -658,7 +804,10 @@ def attention_decode_batch(
     *,
     slot_ids: np.ndarray | None = None,
 ) -> np.ndarray:
-    """One decode token for each of B sequences, in a single parallel launch over (sequence, head).
+    """One decode token for each of B sequences, in a single parallel launch over (sequence, kv head): the
+    query heads of a kv head read its keys and values together (attend_ir), and contexts longer than
+    DECODE_SPLIT_KEYS are split into runs merged at the end. Head dims that are not a multiple of 16 take
+    the plain loops of `_attend_rows`, one (sequence, head) per item.
 
     The caches are stacked, not a list: k_cache, v_cache (S, ctx, Hkv, hd) hold S slots of one layer, and
     sequence b reads slot slot_ids[b] (int32 (B,); omitted means slot b, which needs S >= B). A slot's
@@ -685,5 +834,9 @@ def attention_decode_batch(
         raise ValueError(f"attention_decode_batch: {len(slot_ids)} slot ids for {n_seqs} queries")
     if out is None:
         out = np.empty_like(q)
-    _attention_decode_kernel(q, kernel_view(k_cache), kernel_view(v_cache), slot_ids, positions, scale, out)
+    k_view, v_view = kernel_view(k_cache), kernel_view(v_cache)
+    if head_dim % LANES == 0:
+        _attention_decode_kernel(q, k_view, v_view, slot_ids, positions, scale, out, numba.get_num_threads())
+    else:
+        _attention_decode_rows_kernel(q, k_view, v_view, slot_ids, positions, scale, out)
     return out
