@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -288,43 +288,56 @@ def _delta_chunks(completion: Completion, index: int, delta: Delta) -> list[dict
     return [_chunk(completion, [c]) for c in chunks]
 
 
-@trio.as_safe_channel
-async def stream(completion: Completion) -> AsyncIterator[dict[str, Any]]:
-    """SSE chunk bodies in the spec's order (use as `async with stream(c) as chunks`). Choices run
-    concurrently in the scheduler but stream one after another by index: later choices' chunks wait in
-    their own buffers."""
+Emit = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+async def stream(completion: Completion, emit: Emit) -> None:
+    """Hands the SSE chunk bodies to `emit` in the spec's order. One choice (the usual case) streams straight
+    from its job's events, in this task: a token costs no task switch between the scheduler's channel and
+    the socket. With n > 1 the choices run concurrently in the scheduler but stream one after another by
+    index: later choices' chunks wait in their own buffers."""
     n = len(completion.jobs)
-    buffers = [trio.open_memory_channel[dict[str, Any]](math.inf) for _ in range(n)]
     results: list[ChoiceResult | None] = [None] * n
 
-    async def run(i: int) -> None:
-        send = buffers[i][0]
-        async with send:
-            send.send_nowait(_chunk(completion, [{"index": i, "delta": {"role": "assistant"},
-                                                  "finish_reason": None}]))
+    async def run(i: int, sink: Emit) -> None:
+        await sink(_chunk(completion, [{"index": i, "delta": {"role": "assistant"}, "finish_reason": None}]))
 
-            async def on_delta(delta: Delta) -> None:
-                for c in _delta_chunks(completion, i, delta):
-                    send.send_nowait(c)
+        async def on_delta(delta: Delta) -> None:
+            for c in _delta_chunks(completion, i, delta):
+                await sink(c)
 
-            result = await _run_choice(completion, i, on_delta)
-            results[i] = result
-            top: dict[str, Any] = {}
-            if completion.n_status:
-                top["n_status"] = completion.n_status
-            status = _response_format_status(completion, [result])
-            if status is not None:
-                top["response_format_status"] = status
-            closing = {"index": i, "delta": {}, "finish_reason": result.final_reason, **_choice_extras(result)}
-            send.send_nowait(_chunk(completion, [closing], **top))
+        result = await _run_choice(completion, i, on_delta)
+        results[i] = result
+        top: dict[str, Any] = {}
+        if completion.n_status:
+            top["n_status"] = completion.n_status
+        status = _response_format_status(completion, [result])
+        if status is not None:
+            top["response_format_status"] = status
+        closing = {"index": i, "delta": {}, "finish_reason": result.final_reason, **_choice_extras(result)}
+        await sink(_chunk(completion, [closing], **top))
 
-    async with trio.open_nursery() as nursery:
-        for i in range(n):
-            nursery.start_soon(run, i)
-        for i in range(n):
-            async with buffers[i][1] as receive:
-                async for chunk in receive:
-                    yield chunk
+    if n == 1:
+        await run(0, emit)
+    else:
+        buffers = [trio.open_memory_channel[dict[str, Any]](math.inf) for _ in range(n)]
+
+        async def buffered(i: int) -> None:
+            send = buffers[i][0]
+
+            async def sink(chunk: dict[str, Any]) -> None:
+                send.send_nowait(chunk)
+
+            async with send:
+                await run(i, sink)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(n):
+                nursery.start_soon(buffered, i)
+            for i in range(n):
+                async with buffers[i][1] as receive:
+                    async for chunk in receive:
+                        await emit(chunk)
     if completion.request.include_usage:
         done = [r for r in results if r is not None]
-        yield _chunk(completion, [], usage=_usage_body(completion, done))
+        await emit(_chunk(completion, [], usage=_usage_body(completion, done)))

@@ -91,8 +91,15 @@ def _grammar_tokenizer(tokenizer: Tokenizer) -> Any:
 
 def _warm_up(model: Any) -> None:
     """Run every kernel path once (a short and a long prefill, a batched decode) so numba's compiled code is
-    loaded before the first request, which would otherwise pay for it and skew the measured prefill rate."""
+    loaded before the first request, which would otherwise pay for it and skew the measured prefill rate.
+    The repetition detector's and the sampler's compiled helpers too (the detector runs in the event loop,
+    where a first compile would stall every stream)."""
+    from pantheon.engine.repetition import RepetitionDetector
+    from pantheon.engine.sampling import top_k
     from pantheon.models.base import BatchRow
+
+    RepetitionDetector().push(0)
+    top_k(np.zeros(4, dtype=np.float32), 2)
 
     state = model.new_state(2, 48)
     model.forward(state, [BatchRow(0, np.arange(40, dtype=np.int32) % model.vocab_size, 0)])

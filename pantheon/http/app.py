@@ -243,10 +243,11 @@ class App:
 
     @staticmethod
     async def _relay(completion: chat_completion.Completion, send: Send) -> None:
+        async def emit(chunk: dict[str, Any]) -> None:
+            await send({"type": "http.response.body", "body": sse_data(chunk), "more_body": True})
+
         try:
-            async with chat_completion.stream(completion) as chunks:
-                async for chunk in chunks:
-                    await send({"type": "http.response.body", "body": sse_data(chunk), "more_body": True})
+            await chat_completion.stream(completion, emit)
         except Exception as exc:  # the status is already sent: report in-band, then end the stream
             error = _single(exc)
             api_error = error if isinstance(error, ApiError) else internal_error(error)
