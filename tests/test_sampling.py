@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pantheon.engine.sampling import Sampler, SamplingParams
+from pantheon.engine.sampling import Sampler, SamplingParams, top_k
 
 V = 1000
 
@@ -37,6 +37,39 @@ def test_top_k_restricts_to_the_k_best() -> None:
     best = set(np.argsort(-x)[:3].tolist())
     s = Sampler(SamplingParams(temperature=5.0, top_k=3, top_p=1.0, seed=0), V)
     assert {s.sample(x).token_id for _ in range(200)} <= best
+
+
+@pytest.mark.parametrize("k", [1, 3, 40, 999, 1000])
+def test_top_k_helper_is_a_stable_descending_selection(k: int) -> None:
+    """The k largest scores, largest first, ties in index order; -inf and NaN never selected."""
+    rng = np.random.default_rng(k)
+    x = rng.integers(-20, 20, V).astype(np.float32)  # many ties
+    x[rng.choice(V, 30, replace=False)] = -np.inf
+    x[rng.choice(V, 5, replace=False)] = np.nan
+    valid = np.flatnonzero(np.isfinite(x))
+    expected = valid[np.lexsort((valid, -x[valid]))][:k]
+    np.testing.assert_array_equal(top_k(x, k), expected)
+
+
+@pytest.mark.parametrize(("top_k_", "top_p"), [(0, 1.0), (40, 1.0), (0, 0.9), (40, 0.9)])
+def test_sampling_follows_the_truncated_softmax(top_k_: int, top_p: float) -> None:
+    """Token frequencies match softmax(x / T) restricted to the top-k, then to the top-p nucleus."""
+    x = logits(5) / 3
+    temperature = 0.8
+    order = np.argsort(-x, kind="stable")
+    kept = order[:top_k_] if top_k_ else order
+    probs = np.exp((x[kept] - x[kept].max()) / temperature)
+    probs /= probs.sum()
+    if top_p < 1.0:
+        n = int(np.searchsorted(np.cumsum(probs), top_p) + 1)
+        kept, probs = kept[:n], probs[:n] / probs[:n].sum()
+    s = Sampler(SamplingParams(temperature=temperature, top_k=top_k_, top_p=top_p, seed=1), V)
+    draws = 20000
+    counts = np.bincount([s.sample(x).token_id for _ in range(draws)], minlength=V)
+    assert counts[np.setdiff1d(np.arange(V), kept)].sum() == 0
+    expected = probs * draws
+    big = expected > 50
+    assert np.all(np.abs(counts[kept][big] - expected[big]) < 5 * np.sqrt(expected[big]) + 10)
 
 
 def test_top_p_keeps_the_nucleus() -> None:

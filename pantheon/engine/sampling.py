@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import numba
 import numpy as np
 
 
@@ -27,6 +28,32 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
+
+
+@numba.njit(cache=True, nogil=True)
+def top_k(scores: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the k largest scores (fewer if fewer are above -inf; NaN never counts), largest first, ties
+    in index order. One pass that keeps the best k sorted: ~40 us over a 49k vocabulary for k = 40, where
+    np.argpartition plus its argsort took ~0.5 ms, on the forward thread, once per sampled row."""
+    ids = np.empty(k, dtype=np.int64)
+    vals = np.empty(k, dtype=scores.dtype)
+    n = 0
+    for i in range(scores.size):
+        x = scores[i]
+        if not x > -np.inf or (n == k and not x > vals[k - 1]):
+            continue
+        if n < k:
+            j = n
+            n += 1
+        else:
+            j = k - 1  # the k-th best drops out
+        while j > 0 and vals[j - 1] < x:
+            vals[j] = vals[j - 1]
+            ids[j] = ids[j - 1]
+            j -= 1
+        vals[j] = x
+        ids[j] = i
+    return ids[:n]
 
 
 @dataclass
@@ -94,19 +121,42 @@ class Sampler:
 
     def _sample_stochastic(self, scores: np.ndarray) -> int:
         p = self.params
-        k = p.top_k if 0 < p.top_k < scores.size else scores.size
-        if k < scores.size:
-            candidates = np.argpartition(-scores, k - 1)[:k]
+        if 0 < p.top_k < scores.size:
+            # The k best, best first; softmax over them alone, then top-p over that.
+            candidates = top_k(scores, p.top_k)
+            cand_scores = scores[candidates].astype(np.float64) / p.temperature
+            probs = np.exp(cand_scores - cand_scores[0])
+            probs /= probs.sum()
         else:
-            candidates = np.flatnonzero(np.isfinite(scores))
-        cand_scores = scores[candidates].astype(np.float64) / p.temperature
-        order = np.argsort(-cand_scores, kind="stable")
-        candidates, cand_scores = candidates[order], cand_scores[order]
-        probs = np.exp(cand_scores - cand_scores[0])
-        probs /= probs.sum()
+            candidates, probs = self._full_distribution(scores)
         if 0.0 < p.top_p < 1.0:
             cumulative = np.cumsum(probs)
             keep = int(np.searchsorted(cumulative, p.top_p) + 1)
             candidates, probs = candidates[:keep], probs[:keep]
             probs = probs / probs.sum()
-        return int(candidates[self._rng.choice(probs.size, p=probs)])
+        # Inverse CDF with one uniform draw: what Generator.choice(p=...) does, without its checks of p.
+        cdf = np.cumsum(probs)
+        pick = int(np.searchsorted(cdf, self._rng.random() * cdf[-1], side="right"))
+        return int(candidates[min(pick, probs.size - 1)])
+
+    def _full_distribution(self, scores: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Without top-k: the softmax over every finite score. With top-p only its best candidates are needed,
+        best first: the k best for k = 64, then 512, until they hold top_p of the probability, else a full
+        sort (~5 ms over this vocabulary, so only for flat distributions). Without top-p, every token, in
+        vocabulary order."""
+        p = self.params
+        finite = np.flatnonzero(np.isfinite(scores))
+        scaled = scores[finite].astype(np.float64) / p.temperature
+        weights = np.exp(scaled - scaled.max())
+        total = weights.sum()
+        if not 0.0 < p.top_p < 1.0:
+            return finite, weights / total
+        for k in (64, 512):
+            if k >= finite.size:
+                break
+            candidates = top_k(scores, k)
+            probs = np.exp(scores[candidates].astype(np.float64) / p.temperature - scaled.max()) / total
+            if probs.sum() >= p.top_p:
+                return candidates, probs
+        order = np.argsort(-scaled, kind="stable")
+        return finite[order], weights[order] / total
