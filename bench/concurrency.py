@@ -86,13 +86,14 @@ def one_stream(url: str, body: dict[str, Any], out: dict[str, Any], go: threadin
     out["end"] = time.monotonic()
 
 
-def run_level(server: ServerProcess, n: int, tokens: int, bias: dict[str, float]) -> dict[str, Any]:
+def run_level(server: ServerProcess, n: int, tokens: int, bias: dict[str, float], temperature: float = 0.0
+              ) -> dict[str, Any]:
     url = server.base_url + "/v1/chat/completions"
     outs: list[dict[str, Any]] = [{} for _ in range(n)]
     go = threading.Event()
     threads = []
     for i in range(n):
-        body = {"messages": [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}], "temperature": 0,
+        body = {"messages": [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}], "temperature": temperature,
                 "max_tokens": tokens, "logit_bias": bias, "stream": True, "stream_options": {"include_usage": True}}
         t = threading.Thread(target=one_stream, args=(url, body, outs[i], go), daemon=True)
         t.start()
@@ -161,6 +162,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128, help="tokens each stream decodes")
     ap.add_argument("--runs", type=int, default=2, help="runs per level (median)")
     ap.add_argument("--threads", type=int, default=0, help="server and in-process threads (0 = all cores)")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="HTTP streams' temperature (0 = greedy; > 0 samples with the server's top_k 40 / top_p 0.95)")
     args = ap.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
     threads = args.threads or len(os.sched_getaffinity(0))
@@ -177,7 +180,7 @@ def main() -> None:
         run_level(server, 1, 16, bias)  # warm-up: first-request costs stay out of the table
         rows = []
         for n in levels:
-            runs = [run_level(server, n, args.tokens, bias) for _ in range(args.runs)]
+            runs = [run_level(server, n, args.tokens, bias, args.temperature) for _ in range(args.runs)]
             row = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
             row["streams"] = n
             row["runs"] = runs
@@ -187,7 +190,8 @@ def main() -> None:
     load_after = os.getloadavg()
 
     base = rows[0]["aggregate_decode_tok_s"] if rows and rows[0]["streams"] == 1 else float("nan")
-    print(f"SmolLM2-135M-Instruct Q4_1, {threads} threads, {args.tokens} tokens per stream, median of {args.runs}; "
+    print(f"SmolLM2-135M-Instruct Q4_1, {threads} threads, {args.tokens} tokens per stream, temperature "
+          f"{args.temperature:g}, median of {args.runs}; "
           f"load average {load_before[0]:.1f} before, {load_after[0]:.1f} after")
     print(f"{'streams':>7}{'agg decode tok/s':>18}{'x 1 stream':>12}{'per stream':>12}{'overall tok/s':>15}"
           f"{'TTFT med s':>12}{'TTFT max s':>12}")
