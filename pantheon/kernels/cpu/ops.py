@@ -42,6 +42,9 @@ KEY_TILE = 64
 # (so a long context keeps both threads busy even at batch 1). Fixed, not derived from the batch or the
 # thread count, so a sequence's result does not depend on what else was batched with it.
 DECODE_SPLIT_KEYS = 512
+# Decode attention splits the query heads of a kv head over work items when fewer (sequence, kv head) pairs
+# than this would leave threads idle (batch 1).
+DECODE_MIN_ITEMS = 4
 # Softmax weights (relative to the running max, which weighs 1) below this add nothing a float32 sum can
 # hold; skipping them also keeps denormal products (slow on x86) out of the accumulator.
 MIN_WEIGHT = np.float32(2.0**-40)
@@ -657,32 +660,43 @@ def _attend_group(q_rows, keys, values, kvh, k_lo, k_hi, scale, row_max, row_sum
             _values_for_heads(acc, h, min(MAX_WIDTH, group - h), scores, values, kvh, k0, k1 - k0)
 
 
+@_njit
+def _finish_rows(out, b, h0, n_heads, row_sum, acc):
+    for i in range(n_heads):
+        inv_total = np.float32(1.0) / row_sum[i]
+        out_row = out[b, h0 + i]
+        for c in range(out_row.shape[0]):
+            out_row[c] = acc[i, c] * inv_total
+
+
 @_njit_parallel
-def _attention_decode_kernel(q, k_all, v_all, slot_ids, positions, scale, out, n_threads):
+def _attention_decode_kernel(q, k_all, v_all, slot_ids, positions, scale, out):
     n_seqs, n_q_heads, head_dim = q.shape
     n_slots, ctx, n_kv_heads = k_all.shape[0], k_all.shape[1], k_all.shape[2]
     group = n_q_heads // n_kv_heads
     # A work item is (sequence, kv head, subgroup of its query heads, run of DECODE_SPLIT_KEYS keys). The
-    # query heads of a kv head are split into subgroups only when there are too few items for the threads
-    # (batch 1): a head's arithmetic is the same whatever subgroup it is in, so this changes no bits.
-    n_subgroups = min(group, (2 * n_threads + n_seqs * n_kv_heads - 1) // (n_seqs * n_kv_heads))
+    # query heads of a kv head are split into subgroups only when there are fewer than DECODE_MIN_ITEMS
+    # (sequence, kv head) pairs (batch 1): a head's arithmetic is the same in any subgroup, so no bits change.
+    n_subgroups = min(group, (DECODE_MIN_ITEMS + n_seqs * n_kv_heads - 1) // (n_seqs * n_kv_heads))
     per_subgroup = (group + n_subgroups - 1) // n_subgroups
     n_subgroups = (group + per_subgroup - 1) // per_subgroup
     per_split = n_kv_heads * n_subgroups
     first_item = np.empty(n_seqs + 1, dtype=np.int64)  # sequence b's items are first_item[b] ..
     first_item[0] = 0
+    max_splits = 1
     for b in range(n_seqs):
         if slot_ids[b] < 0 or slot_ids[b] >= n_slots:
             raise ValueError("attention_decode_batch: slot id out of range")
         if positions[b] < 0 or positions[b] >= ctx:
             raise ValueError("attention_decode_batch: position outside the KV cache")
         n_splits = (positions[b] + DECODE_SPLIT_KEYS) // DECODE_SPLIT_KEYS
+        max_splits = max(max_splits, n_splits)
         first_item[b + 1] = first_item[b] + per_split * n_splits
-    max_splits = (ctx + DECODE_SPLIT_KEYS - 1) // DECODE_SPLIT_KEYS
     scale32 = np.float32(scale)
+    # The softmax states of split sequences, merged after the parallel loop; one run is finished in place.
     part_max = np.empty((n_seqs, n_q_heads, max_splits), dtype=np.float32)
     part_sum = np.empty((n_seqs, n_q_heads, max_splits), dtype=np.float32)
-    part_acc = np.empty((n_seqs, n_q_heads, max_splits, head_dim), dtype=np.float32)
+    part_acc = np.empty((n_seqs, n_q_heads, max_splits if max_splits > 1 else 0, head_dim), dtype=np.float32)
     for item in prange(first_item[n_seqs]):
         b = 0
         while first_item[b + 1] <= item:
@@ -705,19 +719,20 @@ def _attention_decode_kernel(q, k_all, v_all, slot_ids, positions, scale, out, n
         acc = np.zeros((n_heads, head_dim), dtype=np.float32)
         scores = np.empty((n_heads, KEY_TILE), dtype=np.float32)
         _attend_group(q_rows, keys, values, kvh, k_lo, k_hi, scale32, row_max, row_sum, acc, scores)
+        if first_item[b + 1] - first_item[b] == per_split:
+            # One run: the output rows now. Only this item reads these q rows, so out may be q.
+            _finish_rows(out, b, h0, n_heads, row_sum, acc)
+            continue
         for i in range(n_heads):
             part_max[b, h0 + i, split] = row_max[i]
             part_sum[b, h0 + i, split] = row_sum[i]
             part_acc[b, h0 + i, split] = acc[i]
     for b in range(n_seqs):
         n_splits = (positions[b] + DECODE_SPLIT_KEYS) // DECODE_SPLIT_KEYS
+        if n_splits == 1:
+            continue
         for head in range(n_q_heads):
             out_row = out[b, head]
-            if n_splits == 1:  # the common case, and the arithmetic of `_attend_rows`
-                inv_total = np.float32(1.0) / part_sum[b, head, 0]
-                for c in range(head_dim):
-                    out_row[c] = part_acc[b, head, 0, c] * inv_total
-                continue
             top = part_max[b, head, 0]
             for split in range(1, n_splits):
                 top = max(top, part_max[b, head, split])
@@ -836,7 +851,7 @@ def attention_decode_batch(
         out = np.empty_like(q)
     k_view, v_view = kernel_view(k_cache), kernel_view(v_cache)
     if head_dim % LANES == 0:
-        _attention_decode_kernel(q, k_view, v_view, slot_ids, positions, scale, out, numba.get_num_threads())
+        _attention_decode_kernel(q, k_view, v_view, slot_ids, positions, scale, out)
     else:
         _attention_decode_rows_kernel(q, k_view, v_view, slot_ids, positions, scale, out)
     return out
