@@ -106,3 +106,18 @@ def test_32_greedy_tokens(served, golden) -> None:
         pos += 1
     assert out == golden["greedy"].tolist()
     assert out == golden["greedy_llama_cpp"].tolist()
+
+
+@pytest.mark.parametrize("n_prompt", [40, 700])
+def test_prefilled_and_decoded_positions_give_the_same_bits(served, n_prompt) -> None:
+    """A prompt prefilled in one chunk and the same prompt whose last token is decoded on its own (what a turn
+    cached up to its last token does) give the same logits for that token, bit for bit, also past the
+    decode kernel's 512-key runs: prefill attention is the decode kernel's, one row per token."""
+    rng = np.random.default_rng(n_prompt)
+    tokens = rng.integers(0, served.model.vocab_size, n_prompt).astype(np.int32)
+    model = served.model
+    whole = model.forward(model.new_state(1, 800), [BatchRow(0, tokens, 0, "last")])
+    state = model.new_state(1, 800)
+    model.forward(state, [BatchRow(0, tokens[:-1], 0, "none")])
+    last = model.forward(state, [BatchRow(0, tokens[-1:], n_prompt - 1, "last")])
+    np.testing.assert_array_equal(last, whole)

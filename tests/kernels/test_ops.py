@@ -390,7 +390,7 @@ def test_decode_batch_long_contexts_are_split_and_merged(kv_dtype):
 @pytest.mark.parametrize("heads", [(9, 3), (32, 8), (8, 1)])
 @pytest.mark.parametrize("kv_dtype", [np.float32, np.float16])
 def test_decode_batch_bits_do_not_depend_on_the_batch_or_threads(heads, kv_dtype):
-    """A sequence's output is the same bits alone (where its query heads are split over the threads) as in a
+    """A sequence's output is the same bits alone (where its query heads are split over work items) as in a
     batch, and with one thread as with all: batching never changes a greedy token."""
     n_q_heads, n_kv_heads = heads
     rng = np.random.default_rng(n_q_heads)
