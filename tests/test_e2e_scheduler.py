@@ -457,3 +457,44 @@ async def test_queue_timeout_unit(monkeypatch: pytest.MonkeyPatch) -> None:
         with trio.fail_after(10):
             assert isinstance(await late_events.receive(), TokenEvent)
         nursery.cancel_scope.cancel()
+
+
+class RecordingModel(FakeModel):
+    """FakeModel that records every step's rows as (prompt length so far, tokens in the row)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.steps: list[list[int]] = []
+
+    def forward(self, state: object, rows: list[Any]) -> np.ndarray:
+        self.steps.append([len(r.tokens) for r in rows])
+        return super().forward(state, rows)
+
+
+@pytest.mark.parametrize(("rewindable", "expected"), [(True, [[100, 100, 40], [30]]),
+                                                      (False, [[100], [100], [40], [30]])])
+async def test_prompts_that_arrive_together_share_prefill_steps(rewindable: bool, expected: list[list[int]]) -> None:
+    """Queued prompts are prefilled together, in FIFO order, up to prefill_chunk tokens a step (a prompt
+    that does not fit waits for the next prefill step); a recurrent model prefills one prompt a step."""
+    from pantheon.engine.sampling import SamplingParams
+    from pantheon.sched import scheduler as scheduler_mod
+    from pantheon.sched.jobs import FinishEvent, GenerationJob
+
+    model = RecordingModel()
+    model.supports_prefix_rewind = rewindable
+    served = SimpleNamespace(name="fake", model=model, ctx_cap=4096)
+    sched = scheduler_mod.Scheduler(served, max_sessions=1, max_concurrent=4, queue_depth=4, prefill_chunk=256)
+    if not rewindable:
+        model.snapshot_slot = lambda state, slot: None
+    channels = [sched.submit(GenerationJob(prompt=list(range(1, n + 1)), sampling=SamplingParams(temperature=0),
+                                           max_tokens=3, stop_ids=frozenset()))
+                for n in (100, 100, 40, 30)]
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sched.run)
+        for channel in channels:
+            with trio.fail_after(10):
+                async for event in channel:
+                    if isinstance(event, FinishEvent):
+                        break
+        nursery.cancel_scope.cancel()
+    assert [step for step in model.steps if max(step) > 1] == expected

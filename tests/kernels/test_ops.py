@@ -445,3 +445,41 @@ def test_every_kernel_releases_the_gil():
     assert len(kernels) >= 10
     for kernel in kernels:
         assert kernel.targetoptions.get("nogil"), kernel.py_func.__name__
+
+
+@pytest.mark.parametrize("kv_dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("head_dim", [64, 48, 40])
+def test_head_major_pools_give_the_same_bits(kv_dtype, head_dim):
+    """The cpu backend stores KV pools head-major behind the [slot, position, head] view (CpuBackend.kv_pool):
+    writing into them and attending over them gives exactly what C-ordered pools give (the plain loops that
+    head dims off a multiple of 16 take compile differently for strided arrays: equal within rounding)."""
+    from pantheon.kernels.cpu.backend import CpuBackend
+
+    n_q, n_kv, n_slots, ctx = 9, 3, 3, 96
+    rng = np.random.default_rng(head_dim)
+    strided_k = CpuBackend.kv_pool(n_slots, ctx, n_kv, head_dim, kv_dtype)
+    strided_v = CpuBackend.kv_pool(n_slots, ctx, n_kv, head_dim, kv_dtype)
+    assert strided_k.shape == (n_slots, ctx, n_kv, head_dim) and not strided_k.flags.c_contiguous
+    assert strided_k.strides[1] == head_dim * strided_k.itemsize  # a kv head's positions are adjacent
+    plain_k, plain_v = np.zeros_like(strided_k, order="C"), np.zeros_like(strided_v, order="C")
+    positions = np.concatenate([np.arange(60), np.arange(37), np.arange(80)]).astype(np.int32)
+    slots = np.repeat(np.arange(n_slots), [60, 37, 80]).astype(np.int32)
+    qkv = random(rng, (len(positions), (n_q + 2 * n_kv) * head_dim))
+    q_plain = ops.rope_qkv_into_cache(qkv, n_q, plain_k, plain_v, slots, positions, head_dim, 10000.0, False)
+    q_strided = ops.rope_qkv_into_cache(qkv, n_q, strided_k, strided_v, slots, positions, head_dim, 10000.0, False)
+    np.testing.assert_array_equal(q_strided, q_plain)
+    np.testing.assert_array_equal(strided_k, plain_k)
+    np.testing.assert_array_equal(strided_v, plain_v)
+    extra = random(rng, (2, n_kv, head_dim))
+    for pool in (plain_k, strided_k):
+        ops.kv_write(pool, np.array([0, 1], np.int32), np.array([60, 37], np.int32), extra)
+    np.testing.assert_array_equal(strided_k, plain_k)
+    last = np.array([60, 37, 79], dtype=np.int32)
+    q = random(rng, (3, n_q, head_dim))
+    ids = np.array([0, 1, 2], dtype=np.int32)
+    strided = ops.attention_decode_batch(q, strided_k, strided_v, last, 0.1, slot_ids=ids)
+    plain = ops.attention_decode_batch(q, plain_k, plain_v, last, 0.1, slot_ids=ids)
+    if head_dim % 16 == 0:
+        np.testing.assert_array_equal(strided, plain)
+    else:
+        assert_close(strided, plain, rel=1e-5)

@@ -4,6 +4,8 @@ the same size, `QWeight.int8_packed`, made by the load's warm-up; the mmapped or
 
 from __future__ import annotations
 
+from typing import Any
+
 import numba
 import numpy as np
 
@@ -79,6 +81,15 @@ class CpuBackend:
 
     def empty(self, shape: tuple[int, ...], dtype: type = np.float32) -> np.ndarray:
         return np.empty(shape, dtype=dtype)
+
+    @staticmethod
+    def kv_pool(n_slots: int, ctx_cap: int, n_kv_heads: int, head_dim: int, dtype: Any) -> np.ndarray:
+        """A layer's K or V cache for every slot, indexed [slot, position, kv head, :] like any backend's, but
+        stored head-major (slot, kv head, position, :): decode attention walks one kv head's keys of one
+        sequence, which are then contiguous instead of a row apart. The kernels take the strided view (the
+        attention intrinsics read its strides). Measured: 30 layers of batch-8 attention from memory, context
+        1000: 20.0 -> 14.2 ms; context 100: 2.20 -> 2.03 ms."""
+        return np.zeros((n_slots, n_kv_heads, ctx_cap, head_dim), dtype=dtype).transpose(0, 2, 1, 3)
 
     @staticmethod
     def upload(host: np.ndarray) -> np.ndarray:
