@@ -56,6 +56,41 @@ def top_k(scores: np.ndarray, k: int) -> np.ndarray:
     return ids[:n]
 
 
+@numba.njit(cache=True, nogil=True)
+def _sample_top_k(scores: np.ndarray, k: int, temperature: float, top_p: float, uniform: float) -> int:
+    """A token from softmax(scores / temperature) over the k best scores, cut to the top_p nucleus when
+    0 < top_p < 1 (the fewest best tokens whose probability reaches top_p), by inverse CDF with one uniform
+    draw in [0, 1): the numpy steps it replaces cost ~50 us a row in call overheads alone."""
+    ids = top_k(scores, k)
+    n = ids.size
+    if n == 0:
+        return -1  # every score is -inf
+    probs = np.empty(n, dtype=np.float64)
+    first = np.float64(scores[ids[0]]) / temperature
+    total = 0.0
+    for i in range(n):
+        probs[i] = np.exp(np.float64(scores[ids[i]]) / temperature - first)
+        total += probs[i]
+    keep = n
+    if 0.0 < top_p < 1.0:
+        cumulative = 0.0
+        for i in range(n):
+            cumulative += probs[i] / total
+            if cumulative >= top_p:
+                keep = i + 1
+                break
+    kept = 0.0
+    for i in range(keep):
+        kept += probs[i]
+    target = uniform * kept
+    cumulative = 0.0
+    for i in range(keep):
+        cumulative += probs[i]
+        if cumulative > target:
+            return ids[i]
+    return ids[keep - 1]
+
+
 @dataclass
 class SampledToken:
     token_id: int
@@ -122,13 +157,12 @@ class Sampler:
     def _sample_stochastic(self, scores: np.ndarray) -> int:
         p = self.params
         if 0 < p.top_k < scores.size:
-            # The k best, best first; softmax over them alone, then top-p over that.
-            candidates = top_k(scores, p.top_k)
-            cand_scores = scores[candidates].astype(np.float64) / p.temperature
-            probs = np.exp(cand_scores - cand_scores[0])
-            probs /= probs.sum()
-        else:
-            candidates, probs = self._full_distribution(scores)
+            # The k best, best first; softmax over them alone, then top-p over that; one compiled call.
+            token = int(_sample_top_k(scores, int(p.top_k), float(p.temperature), float(p.top_p), self._rng.random()))
+            if token < 0:
+                raise ValueError("no token is allowed: every score is -inf")
+            return token
+        candidates, probs = self._full_distribution(scores)
         if 0.0 < p.top_p < 1.0:
             cumulative = np.cumsum(probs)
             keep = int(np.searchsorted(cumulative, p.top_p) + 1)
