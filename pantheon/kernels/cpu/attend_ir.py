@@ -119,7 +119,8 @@ def _fold(builder: ir.IRBuilder, x: ir.Value, y: ir.Value, level: int) -> ir.Val
 
 def key_scores_intrinsic(width: int) -> Any:
     """An intrinsic (q_rows, h0, keys, kvh, j0, n, scale, scores, col): for query rows q_rows[h0 : h0 + width]
-    (float32 (G, hd)) and key rows keys[j0 + i, kvh] (cache (ctx, Hkv, hd)), i < n <= 16, stores
+    (float32 (G, hd)) and key rows keys[j0 + i, kvh] (a cache (ctx, Hkv, hd), any strides but a contiguous last
+    axis), i < n <= 16, stores
     scale * dot into scores[h0 + h, col + i] (float32 (G, >= col + 16)). Lanes i >= n repeat key n - 1 and
     are stored too: the caller leaves them unread."""
 
@@ -183,8 +184,8 @@ def key_scores_intrinsic(width: int) -> Any:
 
 def value_accumulate_intrinsic(width: int) -> Any:
     """An intrinsic (acc, h0, weights, values, kvh, j0, n): for h < width and i < n (n >= 1),
-    acc[h0 + h] += weights[h0 + h, i] * values[j0 + i, kvh] where that weight is not 0; acc float32 (G, hd),
-    weights float32 (G, >= n), values a cache (ctx, Hkv, hd)."""
+    acc[h0 + h] += weights[h0 + h, i] * values[j0 + i, kvh], in order of i; acc float32 (G, hd), weights
+    float32 (G, >= n), values a cache (ctx, Hkv, hd) with any strides but a contiguous last axis."""
 
     def value_accumulate(typingctx, acc, h0, weights, values, kvh, j0, n):
         return types.void(acc, h0, weights, values, kvh, j0, n), codegen
