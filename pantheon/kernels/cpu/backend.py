@@ -129,7 +129,7 @@ class CpuBackend:
         return CpuBackend(self.threads, int8=False)
 
     def matmul(self, w: QWeight, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-        return quant.matmul(w, x, out, int8=self.int8)
+        return quant.matmul(w, x, out, int8=self.int8, threads=self.threads)
 
     embed = staticmethod(quant.dequantize_rows)
     rmsnorm = staticmethod(ops.rmsnorm)

@@ -134,13 +134,15 @@ def prepare_weight(raw: np.ndarray, qtype: int, rows: int, cols: int) -> QWeight
     return QWeight(qtype, rows, cols, data)
 
 
-def matmul(w: QWeight, x: np.ndarray, out: np.ndarray | None = None, *, int8: bool = False) -> np.ndarray:
+def matmul(w: QWeight, x: np.ndarray, out: np.ndarray | None = None, *, int8: bool = False,
+           threads: int | None = None) -> np.ndarray:
     """out = x @ dequantize(w).T, float32 (B, N).
 
     x is float32 (B, K), C-contiguous; out, if given, is float32 (B, N), C-contiguous, and is written in place.
     int8: for the types of `int8dot.INT8_TYPES`, on CPUs that have the instructions, x is first rounded to int8
     blocks and the products are integer (llama.cpp's arithmetic; see int8dot). Either way a row's result does
-    not depend on the other rows of x.
+    not depend on the other rows of x. `threads`: numba's current thread count, when the caller knows it
+    (asking numba costs ~0.75 us a call).
 
     Raises:
         UnsupportedTensorType: w.qtype is not in SUPPORTED_TYPES.
@@ -161,9 +163,9 @@ def matmul(w: QWeight, x: np.ndarray, out: np.ndarray | None = None, *, int8: bo
     if batch == 0:
         return out
     if int8 and int8dot.INT8_ISA is not None and w.qtype in int8dot.INT8_TYPES:
-        int8dot.matmul(w.qtype, w.int8_packed, x, out)
+        int8dot.matmul(w.qtype, w.int8_packed, x, out, threads)
     else:
-        _gemm_rows(w.qtype, w.data, x, out, _N16, 4 * numba.get_num_threads())
+        _gemm_rows(w.qtype, w.data, x, out, _N16, 4 * (threads or numba.get_num_threads()))
     return out
 
 
