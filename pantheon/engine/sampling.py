@@ -181,16 +181,17 @@ class Sampler:
         p = self.params
         finite = np.flatnonzero(np.isfinite(scores))
         scaled = scores[finite].astype(np.float64) / p.temperature
-        weights = np.exp(scaled - scaled.max())
+        weights = np.zeros(scores.size)  # by token id: exp(score / temperature - max), 0 where not finite
+        weights[finite] = np.exp(scaled - scaled.max())
         total = weights.sum()
         if not 0.0 < p.top_p < 1.0:
-            return finite, weights / total
+            return finite, weights[finite] / total
         for k in (64, 512):
             if k >= finite.size:
                 break
             candidates = top_k(scores, k)
-            probs = np.exp(scores[candidates].astype(np.float64) / p.temperature - scaled.max()) / total
+            probs = weights[candidates] / total
             if probs.sum() >= p.top_p:
                 return candidates, probs
-        order = np.argsort(-scaled, kind="stable")
-        return finite[order], weights[order] / total
+        order = finite[np.argsort(-scaled, kind="stable")]
+        return order, weights[order] / total

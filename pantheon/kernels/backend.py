@@ -52,6 +52,10 @@ class Backend(Protocol):
 
     def empty(self, shape: tuple[int, ...], dtype: Any = np.float32) -> Array: ...
 
+    def kv_pool(self, n_slots: int, ctx_cap: int, n_kv_heads: int, head_dim: int, dtype: Any) -> Array:
+        """One layer's K or V cache for every slot, zeroed, indexed [slot, position, kv head, :] (its storage
+        order is the backend's choice)."""
+
     def upload(self, host: np.ndarray) -> Array:
         """A host array (token ids, positions, slot ids) as a backend array."""
 

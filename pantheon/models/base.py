@@ -44,14 +44,6 @@ class ArchMetadata:
         return int(self.meta.get(f"{self.arch}.vocab_size") or len(self.meta.get("tokenizer.ggml.tokens", [])))
 
 
-def kv_pool(backend: Any, n_slots: int, ctx_cap: int, n_kv_heads: int, head_dim: int, dtype: Any) -> Any:
-    """One layer's K or V cache for every slot, indexed [slot, position, kv head, :]: the backend's own layout
-    where it has one (`kv_pool`), else a plain array of that shape."""
-    if hasattr(backend, "kv_pool"):
-        return backend.kv_pool(n_slots, ctx_cap, n_kv_heads, head_dim, dtype)
-    return backend.zeros((n_slots, ctx_cap, n_kv_heads, head_dim), dtype)
-
-
 def output_logits(backend: Any, output: Any, h: Any, batch: list[BatchRow], offsets: Any, vocab_size: int) -> np.ndarray:
     """The logits of the positions the batch asks for. `h` holds the final-normed hidden state of every
     token of the step (rows in batch order, `offsets` the row boundaries); only the wanted rows go through

@@ -15,7 +15,7 @@ import numpy as np
 
 from pantheon.errors import ModelLoadError
 from pantheon.io.gguf_file import GGUFFile
-from pantheon.models.base import ArchMetadata, BatchRow, kv_pool, output_logits
+from pantheon.models.base import ArchMetadata, BatchRow, output_logits
 
 
 @dataclass(frozen=True)
@@ -166,10 +166,9 @@ class LlamaModel:
     # -- state ---------------------------------------------------------------------------------------------
     def new_state(self, n_slots: int, ctx_cap: int) -> KVState:
         c, be = self.config, self.backend
-        return KVState(k=[kv_pool(be, n_slots, ctx_cap, c.n_kv_heads, c.head_dim, self.state_dtype)
-                          for _ in range(c.n_layers)],
-                       v=[kv_pool(be, n_slots, ctx_cap, c.n_kv_heads, c.head_dim, self.state_dtype)
-                          for _ in range(c.n_layers)], ctx_cap=ctx_cap)
+        shape = (n_slots, ctx_cap, c.n_kv_heads, c.head_dim)
+        return KVState(k=[be.kv_pool(*shape, self.state_dtype) for _ in range(c.n_layers)],
+                       v=[be.kv_pool(*shape, self.state_dtype) for _ in range(c.n_layers)], ctx_cap=ctx_cap)
 
     def state_dims(self) -> dict[str, int]:
         """The geometry a session blob must match to be restored into this model."""

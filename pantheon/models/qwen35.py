@@ -35,7 +35,7 @@ import numpy as np
 
 from pantheon.errors import ModelLoadError
 from pantheon.io.gguf_file import GGUFFile
-from pantheon.models.base import ArchMetadata, BatchRow, kv_pool, output_logits
+from pantheon.models.base import ArchMetadata, BatchRow, output_logits
 
 ARCHITECTURES = ("qwen35", "qwen35moe", "qwen3next")
 
@@ -396,10 +396,11 @@ class Qwen35Model:
     # -- state ---------------------------------------------------------------------------------------------
     def new_state(self, n_slots: int, ctx_cap: int) -> HybridState:
         c, be = self.config, self.backend
+        kv = (n_slots, ctx_cap, c.n_kv_heads, c.head_dim)
         state = HybridState(ctx_cap, np.zeros(n_slots, dtype=np.int64), [], [], [], [])
         for recurrent in c.recurrent:
-            state.k.append(None if recurrent else kv_pool(be, n_slots, ctx_cap, c.n_kv_heads, c.head_dim, np.float32))
-            state.v.append(None if recurrent else kv_pool(be, n_slots, ctx_cap, c.n_kv_heads, c.head_dim, np.float32))
+            state.k.append(None if recurrent else be.kv_pool(*kv, np.float32))
+            state.v.append(None if recurrent else be.kv_pool(*kv, np.float32))
             state.conv.append(be.zeros((n_slots, c.conv_kernel - 1, c.conv_dim)) if recurrent else None)
             state.ssm.append(be.zeros((n_slots, c.ssm_value_heads, c.ssm_value_dim, c.ssm_key_dim))
                              if recurrent else None)

@@ -32,8 +32,9 @@ from typing import Any
 
 from llvmlite import ir
 from numba import types
-from numba.core import cgutils
 from numba.extending import intrinsic
+
+from pantheon.kernels.cpu.llvm_ir import byte_ptr, fma, splat
 
 LANES = 16  # float32 lanes per vector (one zmm; two ymm on AVX2, which LLVM splits it into)
 MAX_WIDTH = 4  # query heads per call
@@ -43,20 +44,6 @@ CHUNKS_PER_BLOCK = 4  # 16-lane chunks of the head dimension per pass over the v
 _i32, _i64 = ir.IntType(32), ir.IntType(64)
 _f32 = ir.FloatType()
 _vf = ir.VectorType(_f32, LANES)
-
-
-def _splat(builder: ir.IRBuilder, value: ir.Value) -> ir.Value:
-    first = builder.insert_element(ir.Constant(_vf, None), value, ir.Constant(_i32, 0))
-    return builder.shuffle_vector(first, ir.Constant(_vf, None), ir.Constant(ir.VectorType(_i32, LANES), [0] * LANES))
-
-
-def _fma(builder: ir.IRBuilder, a: ir.Value, b: ir.Value, c: ir.Value) -> ir.Value:
-    fnty = ir.FunctionType(_vf, [_vf, _vf, _vf])
-    return builder.call(cgutils.get_or_insert_function(builder.module, fnty, "llvm.fma.v16f32"), [a, b, c])
-
-
-def _byte_ptr(builder: ir.IRBuilder, base: ir.Value, offset: ir.Value) -> ir.Value:
-    return builder.gep(builder.bitcast(base, ir.IntType(8).as_pointer()), [offset])
 
 
 def _load_f32(builder: ir.IRBuilder, ptr: ir.Value, half: bool) -> ir.Value:
@@ -139,7 +126,7 @@ def key_scores_intrinsic(width: int) -> Any:
         k_row_stride = builder.extract_value(k.strides, 0)
         k_head = builder.mul(kvh, builder.extract_value(k.strides, 1))
         n_chunks = builder.sdiv(builder.extract_value(q.shape, 1), ir.Constant(_i64, LANES))
-        q_rows = [_byte_ptr(builder, q.data, builder.mul(builder.add(h0, ir.Constant(_i64, h)), q_stride))
+        q_rows = [byte_ptr(builder, q.data, builder.mul(builder.add(h0, ir.Constant(_i64, h)), q_stride))
                   for h in range(width)]
         last = builder.sub(n, ir.Constant(_i64, 1))
         pending: list[dict[int, ir.Value]] = [{} for _ in range(width)]
@@ -148,7 +135,7 @@ def key_scores_intrinsic(width: int) -> Any:
             for i in range(first, first + KEYS_PER_LOOP):
                 key = builder.add(j0, builder.select(builder.icmp_signed(">", n, ir.Constant(_i64, i)),
                                                      ir.Constant(_i64, i), last))
-                rows.append(_byte_ptr(builder, k.data, builder.add(builder.mul(key, k_row_stride), k_head)))
+                rows.append(byte_ptr(builder, k.data, builder.add(builder.mul(key, k_row_stride), k_head)))
 
             def chunk(c, accs, rows=rows):
                 k_at = builder.mul(c, ir.Constant(_i64, LANES * item))
@@ -158,7 +145,7 @@ def key_scores_intrinsic(width: int) -> Any:
                 updated = []
                 for r, row in enumerate(rows):
                     kv = _load_f32(builder, builder.gep(row, [k_at]), half)
-                    updated += [_fma(builder, qs[h], kv, accs[r * width + h]) for h in range(width)]
+                    updated += [fma(builder, qs[h], kv, accs[r * width + h]) for h in range(width)]
                 return updated
 
             partials = _counted_loop(builder, n_chunks, [ir.Constant(_vf, None)] * (KEYS_PER_LOOP * width), chunk)
@@ -169,13 +156,13 @@ def key_scores_intrinsic(width: int) -> Any:
                         value = _fold(builder, pending[h].pop(level), value, level)
                         level += 1
                     pending[h][level] = value
-        scale_v = _splat(builder, scale)
+        scale_v = splat(builder, scale, LANES)
         for h in range(width):
             (total,) = pending[h].values()
             at = builder.add(builder.mul(builder.add(h0, ir.Constant(_i64, h)), s_stride),
                              builder.mul(col, ir.Constant(_i64, 4)))
             builder.store(builder.fmul(total, scale_v),
-                          builder.bitcast(_byte_ptr(builder, s.data, at), _vf.as_pointer()), align=4)
+                          builder.bitcast(byte_ptr(builder, s.data, at), _vf.as_pointer()), align=4)
         return context.get_dummy_value()
 
     key_scores.__name__ = key_scores.__qualname__ = f"attend_key_scores_{width}"
@@ -202,13 +189,13 @@ def value_accumulate_intrinsic(width: int) -> Any:
         v_row_stride = builder.extract_value(v.strides, 0)
         first_row = builder.add(builder.mul(j0, v_row_stride), builder.mul(kvh, builder.extract_value(v.strides, 1)))
         heads = [builder.add(h0, ir.Constant(_i64, h)) for h in range(width)]
-        w_rows = [_byte_ptr(builder, w.data, builder.mul(head, w_stride)) for head in heads]
+        w_rows = [byte_ptr(builder, w.data, builder.mul(head, w_stride)) for head in heads]
         n_chunks = builder.sdiv(builder.extract_value(a.shape, 1), ir.Constant(_i64, LANES))
 
         def block(first_chunk, n_block):
             """acc[h, chunks first_chunk .. + n_block] += the weighted rows, keys in order."""
             lane0 = builder.mul(first_chunk, ir.Constant(_i64, LANES))
-            acc_ptrs = [builder.bitcast(_byte_ptr(builder, a.data, builder.add(
+            acc_ptrs = [builder.bitcast(byte_ptr(builder, a.data, builder.add(
                 builder.mul(head, a_stride), builder.mul(builder.add(lane0, ir.Constant(_i64, b * LANES)),
                                                          ir.Constant(_i64, 4)))), _vf.as_pointer())
                 for head in heads for b in range(n_block)]
@@ -217,12 +204,14 @@ def value_accumulate_intrinsic(width: int) -> Any:
 
             def row(i, accs):
                 at = builder.add(offset, builder.mul(i, v_row_stride))
-                vals = [_load_f32(builder, _byte_ptr(builder, v.data, builder.add(at, ir.Constant(_i64, b * LANES * item))), half)
+                vals = [_load_f32(builder, byte_ptr(builder, v.data,
+                                                    builder.add(at, ir.Constant(_i64, b * LANES * item))), half)
                         for b in range(n_block)]
                 updated = []
                 for h in range(width):
-                    weight = _splat(builder, builder.load(builder.gep(builder.bitcast(w_rows[h], _f32.as_pointer()), [i])))
-                    updated += [_fma(builder, weight, vals[b], accs[h * n_block + b]) for b in range(n_block)]
+                    weight = builder.load(builder.gep(builder.bitcast(w_rows[h], _f32.as_pointer()), [i]))
+                    weight = splat(builder, weight, LANES)
+                    updated += [fma(builder, weight, vals[b], accs[h * n_block + b]) for b in range(n_block)]
                 return updated
 
             for ptr, value in zip(acc_ptrs, _counted_loop(builder, n, start, row)):

@@ -124,14 +124,7 @@ class CpuBackend:
     @staticmethod
     def attention(q: np.ndarray, k_pool: np.ndarray, v_pool: np.ndarray, slot: int, start_pos: int, scale: float,
                   out: np.ndarray | None = None) -> np.ndarray:
-        # Each prompt token attends the way a decode step at its position does (the decode kernel, one row per
-        # token): a token's numbers do not depend on whether it was prefilled or decoded, so a turn whose
-        # prompt is cached up to its last token samples the same first token as an uncached one. As fast as
-        # the query-blocked prefill kernel (`ops.attention`) from 256 to 2048 tokens.
-        n = q.shape[0]
-        positions = np.arange(start_pos, start_pos + n, dtype=np.int32)
-        return ops.attention_decode_batch(q, k_pool, v_pool, positions, scale, out,
-                                          slot_ids=np.full(n, slot, dtype=np.int32))
+        return ops.attention(q, k_pool[slot], v_pool[slot], start_pos, scale, out)
 
     def without_int8(self) -> "CpuBackend":
         """The same backend with every activation kept in float32 (for models that need that arithmetic)."""

@@ -41,10 +41,10 @@ import numba
 import numpy as np
 from llvmlite import ir
 from numba import types
-from numba.core import cgutils
 from numba.extending import intrinsic
 
 from pantheon.kernels.cpu import HOST_CPU_FEATURES
+from pantheon.kernels.cpu.llvm_ir import call, fma, splat
 
 __all__ = ["INT8_ISA", "INT8_TYPES", "matmul", "pack_weight", "quantize_rows"]
 
@@ -82,20 +82,15 @@ _v32i8, _v16i16 = ir.VectorType(_i8, 32), ir.VectorType(_i16, 16)
 _v8i32, _v8f16, _v8f32 = ir.VectorType(_i32, 8), ir.VectorType(_f16, 8), ir.VectorType(_f32, 8)
 
 
-def _call(builder: ir.IRBuilder, name: str, ret: ir.Type, args: list[ir.Value]) -> ir.Value:
-    fnty = ir.FunctionType(ret, [a.type for a in args])
-    return builder.call(cgutils.get_or_insert_function(builder.module, fnty, name), args)
-
-
 def _unsigned_signed_dot(builder: ir.IRBuilder, isa: str, u: ir.Value, s: ir.Value, acc: ir.Value | None
                          ) -> ir.Value:
     """<8 x i32>: lane i = acc[i] + sum of u[4i+j] * s[4i+j], j < 4 (u as uint8, s as int8, both <32 x i8>)."""
     if isa == "vnni":
         start = acc if acc is not None else ir.Constant(_v8i32, None)
-        return _call(builder, "llvm.x86.avx512.vpdpbusd.256", _v8i32,
+        return call(builder, "llvm.x86.avx512.vpdpbusd.256", _v8i32,
                      [start, builder.bitcast(u, _v8i32), builder.bitcast(s, _v8i32)])
-    pairs = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _v16i16, [u, s])
-    dot = _call(builder, "llvm.x86.avx2.pmadd.wd", _v8i32, [pairs, ir.Constant(_v16i16, [1] * 16)])
+    pairs = call(builder, "llvm.x86.avx2.pmadd.ub.sw", _v16i16, [u, s])
+    dot = call(builder, "llvm.x86.avx2.pmadd.wd", _v8i32, [pairs, ir.Constant(_v16i16, [1] * 16)])
     return dot if acc is None else builder.add(acc, dot)
 
 
@@ -103,18 +98,6 @@ def _load(builder: ir.IRBuilder, base: ir.Value, offset: ir.Value, ty: ir.Type) 
     """A `ty` at byte `offset` of the i8* `base`."""
     ptr = builder.bitcast(builder.gep(base, [offset]), ty.as_pointer())
     return builder.load(ptr, align=1)
-
-
-def _fma(builder: ir.IRBuilder, a: ir.Value, b: ir.Value, c: ir.Value) -> ir.Value:
-    """a * b + c, rounded once: an explicit fma, so that LLVM may not reassociate the chain and every row's sum
-    is the same sequence of operations in every variant (batch invariance)."""
-    return _call(builder, "llvm.fma.v8f32", a.type, [a, b, c])
-
-
-def _splat(builder: ir.IRBuilder, value: ir.Value, n: int) -> ir.Value:
-    vec = ir.VectorType(value.type, n)
-    first = builder.insert_element(ir.Constant(vec, None), value, ir.Constant(_i32, 0))
-    return builder.shuffle_vector(first, ir.Constant(vec, None), ir.Constant(ir.VectorType(_i32, n), [0] * n))
 
 
 def _lanes_reduced(builder: ir.IRBuilder, v: ir.Value, op: Any) -> ir.Value:
@@ -151,7 +134,7 @@ def _weight_block(builder: ir.IRBuilder, isa: str, q4: bool, wptr: ir.Value, j: 
     values = [at(48 + 32 * u, _v32i8) for u in range(8)]
     if _offset_q8_0(isa):
         return values, d_w, at(16, _v8i32)
-    magnitudes = [_call(builder, "llvm.abs.v32i8", _v32i8, [v, ir.Constant(_i1, 0)]) for v in values]
+    magnitudes = [call(builder, "llvm.abs.v32i8", _v32i8, [v, ir.Constant(_i1, 0)]) for v in values]
     return magnitudes + values, d_w, None
 
 
@@ -163,14 +146,14 @@ def _row_block(builder: ir.IRBuilder, isa: str, q4: bool, weights: list[ir.Value
     every lane and meets weight vector u, so eight unsigned x signed dot instructions leave each row's exact
     integer sum in its lane (two chains of four, for latency); one conversion and one fma add d_w * d_x times
     it to acc, and Q4_1 adds m_w * s_x to acc_m in a second (its own chain, for latency)."""
-    pieces = [builder.bitcast(_splat(builder, _load(builder, xptr, ir.Constant(_i64, 4 * u), _i32), 8), _v32i8)
+    pieces = [builder.bitcast(splat(builder, _load(builder, xptr, ir.Constant(_i64, 4 * u), _i32), 8), _v32i8)
               for u in range(8)]
     if q4:
         pairs = list(zip(weights, pieces))
     elif _offset_q8_0(isa):  # (q_x + 128) * q_w, corrected below
         pairs = list(zip(pieces, weights))
     else:
-        pairs = [(weights[u], _call(builder, "llvm.x86.avx2.psign.b", _v32i8, [pieces[u], weights[8 + u]]))
+        pairs = [(weights[u], call(builder, "llvm.x86.avx2.psign.b", _v32i8, [pieces[u], weights[8 + u]]))
                  for u in range(8)]
     chains = []
     for half in (pairs[:4], pairs[4:]):
@@ -181,9 +164,9 @@ def _row_block(builder: ir.IRBuilder, isa: str, q4: bool, weights: list[ir.Value
     sums = builder.add(chains[0], chains[1])  # integers: exact in any order
     if third is not None and not q4:
         sums = builder.sub(sums, third)
-    acc = _fma(builder, builder.sitofp(sums, _v8f32), builder.fmul(d_w, _splat(builder, d_x, 8)), acc)
+    acc = fma(builder, builder.sitofp(sums, _v8f32), builder.fmul(d_w, splat(builder, d_x, 8)), acc)
     if q4:
-        acc_m = _fma(builder, third, _splat(builder, s_x, 8), acc_m)
+        acc_m = fma(builder, third, splat(builder, s_x, 8), acc_m)
     return acc, acc_m
 
 
@@ -342,11 +325,12 @@ def _quantize_block(typingctx, x, xq, xd, xs, row, block, flip):
     def codegen(context, builder, signature, args):
         xa, qa, da, sa = (context.make_array(t)(context, builder, a) for t, a in zip(signature.args[:4], args[:4]))
         row, blk, flip = args[4], args[5], args[6]
-        first = builder.add(builder.mul(row, builder.extract_value(xa.shape, 1)), builder.mul(blk, ir.Constant(_i64, QK)))
+        first = builder.add(builder.mul(row, builder.extract_value(xa.shape, 1)),
+                            builder.mul(blk, ir.Constant(_i64, QK)))
         values = [_load(builder, builder.bitcast(xa.data, _i8.as_pointer()),
                         builder.mul(builder.add(first, ir.Constant(_i64, 8 * t)), ir.Constant(_i64, 4)), _v8f32)
                   for t in range(4)]
-        magnitudes = [_call(builder, "llvm.fabs.v8f32", _v8f32, [v]) for v in values]
+        magnitudes = [call(builder, "llvm.fabs.v8f32", _v8f32, [v]) for v in values]
         widest = _larger(builder, _larger(builder, magnitudes[0], magnitudes[1]),
                          _larger(builder, magnitudes[2], magnitudes[3]))
         amax = _lanes_reduced(builder, widest, lambda a, b: _larger(builder, a, b))
@@ -358,8 +342,8 @@ def _quantize_block(typingctx, x, xq, xd, xs, row, block, flip):
         d = builder.fadd(builder.fdiv(amax, ir.Constant(_f32, 127.0)), nonfinite)
         inv = builder.select(builder.fcmp_ordered(">", d, ir.Constant(_f32, 0.0)),
                              builder.fdiv(ir.Constant(_f32, 1.0), d), ir.Constant(_f32, 0.0))
-        inv_v = _splat(builder, inv, 8)
-        quants = [builder.fptosi(_call(builder, "llvm.rint.v8f32", _v8f32, [builder.fmul(v, inv_v)]), _v8i32)
+        inv_v = splat(builder, inv, 8)
+        quants = [builder.fptosi(call(builder, "llvm.rint.v8f32", _v8f32, [builder.fmul(v, inv_v)]), _v8i32)
                   for v in values]
         total = _lanes_reduced(builder, builder.add(builder.add(quants[0], quants[1]),
                                                     builder.add(quants[2], quants[3])), builder.add)
@@ -368,8 +352,9 @@ def _quantize_block(typingctx, x, xq, xd, xs, row, block, flip):
                                                                                      list(range(16))))
                   for h in range(2)]
         joined = builder.shuffle_vector(halves[0], halves[1], ir.Constant(ir.VectorType(_i32, 32), list(range(32))))
-        flipped = builder.xor(joined, _splat(builder, builder.trunc(flip, _i8), 32))
-        qfirst = builder.add(builder.mul(row, builder.extract_value(qa.shape, 1)), builder.mul(blk, ir.Constant(_i64, QK)))
+        flipped = builder.xor(joined, splat(builder, builder.trunc(flip, _i8), 32))
+        qfirst = builder.add(builder.mul(row, builder.extract_value(qa.shape, 1)),
+                             builder.mul(blk, ir.Constant(_i64, QK)))
         qptr = builder.gep(builder.bitcast(qa.data, _i8.as_pointer()), [qfirst])
         builder.store(flipped, builder.bitcast(qptr, _v32i8.as_pointer()), align=1)
         at = builder.add(builder.mul(row, builder.extract_value(da.shape, 1)), blk)

@@ -36,7 +36,7 @@ RMSNORM_PARALLEL_MIN_ELEMENTS = 1 << 15
 SWIGLU_PARALLEL_MIN_ELEMENTS = 1 << 14
 ROPE_PARALLEL_MIN_TOKENS = 16
 
-# Attention tiling: KEY_TILE keys (of K and V) stay in L1 while QUERY_BLOCK query rows of one head use them.
+# Attention tiling: the online softmax works through the keys KEY_TILE at a time.
 KEY_TILE = 64
 # Decode attention splits a sequence's keys into runs of this many, each its own work item, merged at the end
 # (so a long context keeps both threads busy even at batch 1). Fixed, not derived from the batch or the
@@ -48,7 +48,6 @@ DECODE_MIN_ITEMS = 4
 # Softmax weights (relative to the running max, which weighs 1) below this add nothing a float32 sum can
 # hold; skipping them also keeps denormal products (slow on x86) out of the accumulator.
 MIN_WEIGHT = np.float32(2.0**-40)
-QUERY_BLOCK = 16
 
 
 # --- exp ---------------------------------------------------------------------------------------------
@@ -506,93 +505,55 @@ def swiglu(gate: np.ndarray, up: np.ndarray, out: np.ndarray | None = None) -> n
 
 
 @_njit
-def _attend_rows(
-    q, t0, n_rows, head, keys, values, kv_head, first_pos, scale, out, scores, row_max, row_sum, acc, q_rows
-):
-    """Causal attention of query rows q[t0 : t0 + n_rows, head] over keys[:, kv_head] / values[:, kv_head].
+def _attend_row(q, b, head, keys, values, kv_head, pos, scale, out, scores, acc, q_row):
+    """Attention of query row q[b, head], at position pos, over key rows 0 .. pos of keys[:, kv_head] /
+    values[:, kv_head]: the plain loops, for head dims the vector intrinsics do not take (not a multiple of 16).
 
-    Row i sits at position first_pos + i and sees key rows 0 .. first_pos + i. Online softmax over tiles of
-    KEY_TILE keys: per row a running max and sum, and an accumulator rescaled whenever the max grows, so no
-    score matrix is ever built. Everything is float32; the running max keeps every exp() argument <= 0.
-    Over a float16 cache this is llama.cpp's arithmetic: the queries are rounded to float16 first (into q_rows)
-    for the dot products with the keys, and the softmax weights to float16 for the products with the values
-    (it rounds both to the cache's type before its matrix products); over a float32 cache q_rows is a plain
-    copy and the weights stay float32. With either rounding left out, the golden prompt's greedy tokens or
-    its logits drifted from llama.cpp's (tests/test_golden_smollm2.py).
+    Online softmax over tiles of KEY_TILE keys: a running max and sum, and an accumulator rescaled whenever the
+    max grows, so no score row is ever built. Everything is float32; the running max keeps every exp()
+    argument <= 0. Over a float16 cache this is llama.cpp's arithmetic: the query is rounded to float16 first
+    (into q_row) for the dot products with the keys, and the softmax weights to float16 for the products with
+    the values (it rounds both to the cache's type before its matrix products); over a float32 cache q_row is
+    a plain copy and the weights stay float32. With either rounding left out, the golden prompt's greedy tokens
+    or its logits drifted from llama.cpp's (tests/test_golden_smollm2.py).
     """
-    for i in range(n_rows):
-        row_max[i] = -np.inf
-        row_sum[i] = 0.0
-        acc[i, :] = 0.0
-        for c in range(q_rows.shape[1]):
-            q_rows[i, c] = _kv_to_f32(_f32_to_kv(q[t0 + i, head, c], keys))
-    n_keys = first_pos + n_rows
-    for k0 in range(0, n_keys, KEY_TILE):
-        k1 = min(n_keys, k0 + KEY_TILE)
-        for i in range(n_rows):
-            k_end = min(k1, first_pos + i + 1)
-            if k_end <= k0:
-                continue  # this row's last visible key is before the tile
-            q_row = q_rows[i]
-            acc_row = acc[i]
-            old_max = row_max[i]
-            new_max = old_max
-            for j in range(k0, k_end):
-                k_row = keys[j, kv_head]
-                dot = np.float32(0.0)
-                for c in range(q_row.shape[0]):
-                    dot += q_row[c] * _kv_to_f32(k_row[c])
-                score = dot * scale
-                scores[j - k0] = score
-                new_max = max(new_max, score)
-            correction = _exp_f32(old_max - new_max)
-            total = row_sum[i] * correction
-            if correction != 1.0:
-                for c in range(acc_row.shape[0]):
-                    acc_row[c] *= correction
-            for j in range(k0, k_end):
-                scores[j - k0] = _exp_f32(scores[j - k0] - new_max)
-                total += scores[j - k0]
-            for j in range(k0, k_end):
-                weight = _kv_to_f32(_f32_to_kv(scores[j - k0], values))  # float16 over a float16 cache
-                if weight < MIN_WEIGHT:
-                    continue  # nothing at float32 precision, and its products with v would be denormal
-                v_row = values[j, kv_head]
-                for c in range(acc_row.shape[0]):
-                    acc_row[c] += weight * _kv_to_f32(v_row[c])
-            row_sum[i] = total
-            row_max[i] = new_max
-    for i in range(n_rows):
-        inv_total = np.float32(1.0) / row_sum[i]
-        out_row = out[t0 + i, head]
-        for c in range(out_row.shape[0]):
-            out_row[c] = acc[i, c] * inv_total
-
-
-@_njit_parallel
-def _attention_kernel(q, k_cache, v_cache, start_pos, scale, out):
-    n_tokens, n_q_heads, head_dim = q.shape
-    group = n_q_heads // k_cache.shape[1]
-    scale32 = np.float32(scale)
-    n_blocks = (n_tokens + QUERY_BLOCK - 1) // QUERY_BLOCK
-    # prange hands each thread one contiguous run of items. A causal block late in the prompt costs more than
-    # an early one, so blocks are visited in zigzag order (0, n-1, 1, n-2, ...): any run of two or more items
-    # of a head then costs about the average. Items of one head are adjacent, so a thread keeps its K/V tiles.
-    for item in prange(n_q_heads * n_blocks):
-        head = item // n_blocks
-        rank = item % n_blocks
-        block = rank // 2 if rank % 2 == 0 else n_blocks - 1 - rank // 2
-        t0 = block * QUERY_BLOCK
-        n_rows = min(QUERY_BLOCK, n_tokens - t0)
-        scores = np.empty(KEY_TILE, dtype=np.float32)
-        row_max = np.empty(QUERY_BLOCK, dtype=np.float32)
-        row_sum = np.empty(QUERY_BLOCK, dtype=np.float32)
-        acc = np.empty((QUERY_BLOCK, head_dim), dtype=np.float32)
-        q_rows = np.empty((QUERY_BLOCK, head_dim), dtype=np.float32)
-        _attend_rows(
-            q, t0, n_rows, head, k_cache, v_cache, head // group, start_pos + t0, scale32, out,
-            scores, row_max, row_sum, acc, q_rows,
-        )
+    row_max = np.float32(-np.inf)
+    row_sum = np.float32(0.0)
+    acc[:] = 0.0
+    for c in range(q_row.shape[0]):
+        q_row[c] = _kv_to_f32(_f32_to_kv(q[b, head, c], keys))
+    for k0 in range(0, pos + 1, KEY_TILE):
+        k1 = min(pos + 1, k0 + KEY_TILE)
+        new_max = row_max
+        for j in range(k0, k1):
+            k_row = keys[j, kv_head]
+            dot = np.float32(0.0)
+            for c in range(q_row.shape[0]):
+                dot += q_row[c] * _kv_to_f32(k_row[c])
+            score = dot * scale
+            scores[j - k0] = score
+            new_max = max(new_max, score)
+        correction = _exp_f32(row_max - new_max)
+        total = row_sum * correction
+        if correction != 1.0:
+            for c in range(acc.shape[0]):
+                acc[c] *= correction
+        for j in range(k0, k1):
+            scores[j - k0] = _exp_f32(scores[j - k0] - new_max)
+            total += scores[j - k0]
+        for j in range(k0, k1):
+            weight = _kv_to_f32(_f32_to_kv(scores[j - k0], values))  # float16 over a float16 cache
+            if weight < MIN_WEIGHT:
+                continue  # nothing at float32 precision, and its products with v would be denormal
+            v_row = values[j, kv_head]
+            for c in range(acc.shape[0]):
+                acc[c] += weight * _kv_to_f32(v_row[c])
+        row_sum = total
+        row_max = new_max
+    inv_total = np.float32(1.0) / row_sum
+    out_row = out[b, head]
+    for c in range(out_row.shape[0]):
+        out_row[c] = acc[c] * inv_total
 
 
 # One intrinsic per number of query heads handled together (1 .. MAX_WIDTH).
@@ -628,10 +589,10 @@ def _values_for_heads(acc, h, width, weights, values, kvh, j0, n):
 def _attend_group(q_rows, keys, values, kvh, k_lo, k_hi, scale, row_max, row_sum, acc, scores):
     """Online softmax of the query rows q_rows (G, hd) of kv head kvh over key rows k_lo .. k_hi - 1.
 
-    The arithmetic of `_attend_rows` for one row per head, except that a score's dot product is summed in
+    The arithmetic of `_attend_row` for one row per head, except that a score's dot product is summed in
     another order (attend_ir): per tile of KEY_TILE keys, the scores of every head, then each head's running
     max and sum and its rescaled accumulator, then the weighted values. Weights below MIN_WEIGHT become 0,
-    which add nothing (`_attend_rows` skips those rows)."""
+    which add nothing (`_attend_row` skips those rows)."""
     group = q_rows.shape[0]
     for k0 in range(k_lo, k_hi, KEY_TILE):
         k1 = min(k_hi, k0 + KEY_TILE)
@@ -764,14 +725,10 @@ def _attention_decode_rows_kernel(q, k_all, v_all, slot_ids, positions, scale, o
         head = item % n_q_heads
         slot = slot_ids[b]
         scores = np.empty(KEY_TILE, dtype=np.float32)
-        row_max = np.empty(1, dtype=np.float32)
-        row_sum = np.empty(1, dtype=np.float32)
-        acc = np.empty((1, head_dim), dtype=np.float32)
-        q_rows = np.empty((1, head_dim), dtype=np.float32)
-        _attend_rows(
-            q, b, 1, head, k_all[slot], v_all[slot], head // group, positions[b], scale32, out,
-            scores, row_max, row_sum, acc, q_rows,
-        )
+        acc = np.empty(head_dim, dtype=np.float32)
+        q_row = np.empty(head_dim, dtype=np.float32)
+        _attend_row(q, b, head, k_all[slot], v_all[slot], head // group, positions[b], scale32, out,
+                    scores, acc, q_row)
 
 
 def attention(
@@ -790,8 +747,10 @@ def attention(
     h // (Hq // Hkv). Returns softmax(scale * q.k) . v as (T, Hq, hd), written into `out` when given
     (`out` may be q itself: each (rows, head) piece is written only after its own queries were read).
 
-    Works in tiles with an online softmax, so memory stays O(threads * tile) for any prompt length; the work
-    is spread over (16-query block, head) items on all numba threads.
+    Each token attends exactly as a decode step at its position does (`attention_decode_batch`, one row per
+    token): a position's numbers do not depend on whether it was prefilled or decoded, so a turn whose prompt
+    is cached up to its last token samples the same first token as an uncached one. Measured as fast as the
+    query-blocked prefill kernel this replaced, from 256 to 2048 tokens.
     """
     n_tokens, n_q_heads, head_dim = q.shape
     ctx, n_kv_heads, kv_dim = k_cache.shape
@@ -803,10 +762,9 @@ def attention(
         raise ValueError(
             f"attention: rows {start_pos}..{start_pos + n_tokens - 1} are outside a cache of {ctx}"
         )
-    if out is None:
-        out = np.empty_like(q)
-    _attention_kernel(q, kernel_view(k_cache), kernel_view(v_cache), start_pos, scale, out)
-    return out
+    positions = np.arange(start_pos, start_pos + n_tokens, dtype=np.int32)
+    return attention_decode_batch(q, k_cache[None], v_cache[None], positions, scale, out,
+                                  slot_ids=np.zeros(n_tokens, dtype=np.int32))
 
 
 def attention_decode_batch(
@@ -822,7 +780,7 @@ def attention_decode_batch(
     """One decode token for each of B sequences, in a single parallel launch over (sequence, kv head): the
     query heads of a kv head read its keys and values together (attend_ir), and contexts longer than
     DECODE_SPLIT_KEYS are split into runs merged at the end. Head dims that are not a multiple of 16 take
-    the plain loops of `_attend_rows`, one (sequence, head) per item.
+    the plain loops of `_attend_row`, one (sequence, head) per item.
 
     The caches are stacked, not a list: k_cache, v_cache (S, ctx, Hkv, hd) hold S slots of one layer, and
     sequence b reads slot slot_ids[b] (int32 (B,); omitted means slot b, which needs S >= B). A slot's

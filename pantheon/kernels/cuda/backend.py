@@ -161,6 +161,9 @@ class CudaBackend:
     def zeros(self, shape: tuple[int, ...], dtype: Any = np.float32) -> Any:
         return ops.fill(self.empty(shape, dtype), 0, self.stream, self.geometry)
 
+    def kv_pool(self, n_slots: int, ctx_cap: int, n_kv_heads: int, head_dim: int, dtype: Any) -> Any:
+        return self.zeros((n_slots, ctx_cap, n_kv_heads, head_dim), dtype)
+
     def empty(self, shape: tuple[int, ...], dtype: Any = np.float32) -> Any:
         with _out_of_memory_is_memory_error(f"array {tuple(shape)}"):
             return cuda.device_array(shape, dtype=dtype, stream=self.stream)
