@@ -498,3 +498,49 @@ async def test_prompts_that_arrive_together_share_prefill_steps(rewindable: bool
                         break
         nursery.cancel_scope.cancel()
     assert [step for step in model.steps if max(step) > 1] == expected
+
+
+class GatedModel(FakeModel):
+    """FakeModel whose second step waits for the test: `entered` is set when that step begins, and the step
+    returns only once `release` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.steps = 0
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def forward(self, state: object, rows: list[Any]) -> np.ndarray:
+        self.steps += 1
+        if self.steps == 2:
+            self.entered.set()
+            assert self.release.wait(10)
+        return super().forward(state, rows)
+
+
+async def test_a_job_cancelled_while_its_step_runs_keeps_only_what_came_before() -> None:
+    """The scheduler starts the next decode step before the consumers have read the last tokens, so a stop
+    string can cancel a job in the middle of a step: that step's token is neither sent nor counted in the
+    slot's history (usage.kv_used), exactly as if the cancel had come before the step."""
+    from pantheon.engine.sampling import SamplingParams
+    from pantheon.sched import scheduler as scheduler_mod
+    from pantheon.sched.jobs import FinishEvent, GenerationJob, TokenEvent
+
+    model = GatedModel()
+    served = SimpleNamespace(name="fake", model=model, ctx_cap=4096)
+    sched = scheduler_mod.Scheduler(served, max_sessions=1, max_concurrent=1, queue_depth=4)
+    job = GenerationJob(prompt=[1, 2, 3, 4, 5], sampling=SamplingParams(temperature=0), max_tokens=100,
+                        stop_ids=frozenset())
+    events = sched.submit(job)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sched.run)
+        with trio.fail_after(10):
+            assert isinstance(await events.receive(), TokenEvent)  # from the prefill step
+            # The decode step started without waiting for this consumer.
+            assert await trio.to_thread.run_sync(model.entered.wait, 10)
+            job.cancel()  # as a stop string in the first token would
+            model.release.set()
+            rest = [event async for event in events]
+        nursery.cancel_scope.cancel()
+    assert len(rest) == 1 and isinstance(rest[0], FinishEvent), rest
+    assert rest[0].usage.kv_used == 5 and rest[0].usage.completion_tokens == 1, rest[0].usage
+    assert model.steps == 2
