@@ -1,8 +1,10 @@
 """Aggregate decode throughput and time to first token at 1, 2, 4 and 8 concurrent streams, over HTTP against
 a real `pantheon serve` on the default model; plus single-stream HTTP decode vs in-process decode.
 
-    .venv/bin/python bench/concurrency.py [--levels 1,2,4,8] [--tokens 128] [--runs 2] [--threads 0]
+    .venv/bin/python bench/concurrency.py [--levels 1,2,4,8] [--tokens 128] [--runs 3] [--threads 0]
 
+The levels are measured in rounds (1, 2, 4, 8, then again), so every level sees the same drift of the machine's
+speed; the table shows medians over the rounds, and the ratio to 1 stream is also given round by round.
 Each stream is a streamed greedy chat completion (end tokens forbidden with logit_bias, so every stream
 decodes exactly --tokens tokens; too short for the repetition detector). Per level:
 
@@ -160,7 +162,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--levels", default="1,2,4,8")
     ap.add_argument("--tokens", type=int, default=128, help="tokens each stream decodes")
-    ap.add_argument("--runs", type=int, default=2, help="runs per level (median)")
+    ap.add_argument("--runs", type=int, default=3, help="rounds over the levels (median per level)")
     ap.add_argument("--threads", type=int, default=0, help="server and in-process threads (0 = all cores)")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="HTTP streams' temperature (0 = greedy; > 0 samples with the server's top_k 40 / top_p 0.95)")
@@ -178,9 +180,14 @@ def main() -> None:
                             "--threads", str(threads), "--ctx-cap", "2048"], log_path=log).start()
     try:
         run_level(server, 1, 16, bias)  # warm-up: first-request costs stay out of the table
+        # Rounds over all the levels, rather than all the runs of one level and then the next: this VM's speed
+        # drifts by 10-30% over minutes, and a ratio between levels should compare neighbouring minutes.
+        by_level: dict[int, list[dict[str, Any]]] = {n: [] for n in levels}
+        for _ in range(args.runs):
+            for n in levels:
+                by_level[n].append(run_level(server, n, args.tokens, bias, args.temperature))
         rows = []
-        for n in levels:
-            runs = [run_level(server, n, args.tokens, bias, args.temperature) for _ in range(args.runs)]
+        for n, runs in by_level.items():
             row = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
             row["streams"] = n
             row["runs"] = runs
@@ -190,8 +197,13 @@ def main() -> None:
     load_after = os.getloadavg()
 
     base = rows[0]["aggregate_decode_tok_s"] if rows and rows[0]["streams"] == 1 else float("nan")
+    if rows and rows[0]["streams"] == 1:
+        # The ratio to 1 stream also taken within each round (the levels minutes apart at most).
+        for row in rows[1:]:
+            row["round_ratios"] = [r["aggregate_decode_tok_s"] / one["aggregate_decode_tok_s"]
+                                   for r, one in zip(row["runs"], rows[0]["runs"])]
     print(f"SmolLM2-135M-Instruct Q4_1, {threads} threads, {args.tokens} tokens per stream, temperature "
-          f"{args.temperature:g}, median of {args.runs}; "
+          f"{args.temperature:g}, median of {args.runs} rounds; "
           f"load average {load_before[0]:.1f} before, {load_after[0]:.1f} after")
     print(f"{'streams':>7}{'agg decode tok/s':>18}{'x 1 stream':>12}{'per stream':>12}{'overall tok/s':>15}"
           f"{'TTFT med s':>12}{'TTFT max s':>12}")
@@ -199,6 +211,11 @@ def main() -> None:
         n, agg = row["streams"], row["aggregate_decode_tok_s"]
         print(f"{n:>7}{agg:>18.1f}{agg / base:>12.2f}{agg / n:>12.1f}{row['overall_tok_s']:>15.1f}"
               f"{row['ttft_median_s']:>12.2f}{row['ttft_max_s']:>12.2f}")
+    for row in rows:
+        if "round_ratios" in row:
+            print(f"{row['streams']} streams / 1 stream, round by round: "
+                  f"{' '.join(f'{x:.2f}' for x in row['round_ratios'])} (median "
+                  f"{statistics.median(row['round_ratios']):.2f})")
     http_one = rows[0]["aggregate_decode_tok_s"] if rows[0]["streams"] == 1 else float("nan")
     ratio = http_one / inproc["decode_tok_s"]
     print(f"single stream decode: HTTP {http_one:.1f} tok/s, in-process {inproc['decode_tok_s']:.1f} tok/s, "
