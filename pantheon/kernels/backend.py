@@ -97,7 +97,10 @@ class Backend(Protocol):
     #   rope_qkv_into_cache(qkv, n_q_heads, k_pool, v_pool, slots, positions, n_rot, freq_base, neox,
     #                       freq_scale) -> q: the stacked q|k|v projection split, q and k rotated, k and v
     #                       written to the caches, q returned (T, Hq, hd);
-    #   swiglu_stacked(gate_up) -> silu(gate) * up of the stacked gate|up projection (T, 2F).
+    #   swiglu_stacked(gate_up) -> silu(gate) * up of the stacked gate|up projection (T, 2F);
+    #   attention_decode_qkv(qkv, n_q_heads, k_pool, v_pool, slots, positions, n_rot, freq_base, neox, scale,
+    #                        freq_scale) -> rope_qkv_into_cache then attention_decode_batch for one token per
+    #                        sequence (distinct slots), in one launch: the attention output (B, Hq, hd).
 
     def attention(self, q: Array, k_pool: Array, v_pool: Array, slot: int, start_pos: int, scale: float,
                   out: Array | None = None) -> Array:

@@ -111,6 +111,8 @@ class LlamaModel:
         # Backends with the fused kernels for the stacked projections (`rope_qkv_into_cache`, `swiglu_stacked`)
         # run each in one call instead of a split and several ops.
         self._fused_ops = hasattr(backend, "rope_qkv_into_cache") and hasattr(backend, "swiglu_stacked")
+        # And a decode step's attention straight from the stacked projection (`attention_decode_qkv`).
+        self._fused_decode = self._fused_ops and hasattr(backend, "attention_decode_qkv")
         self.tok_embd = tok_embd
         self.blocks = blocks
         self.output_norm = output_norm
@@ -206,6 +208,29 @@ class LlamaModel:
         return 2 * c.n_layers * c.n_kv_heads * c.head_dim * self.state_dtype.itemsize
 
     # -- forward -------------------------------------------------------------------------------------------
+    def _rotated_queries(self, blk: LlamaBlock, h: Any, k_pool: Any, v_pool: Any, token_slots: Any,
+                         positions: Any, n_tok: int) -> Any:
+        """The queries (T, Hq, hd) of normed input h, rotated; the rotated keys and the values written to the
+        caches at (token_slots, positions)."""
+        c, be = self.config, self.backend
+        if blk.w_qkv is not None and self._fused_ops:
+            # Split, rotated and written to the caches in one kernel.
+            return be.rope_qkv_into_cache(be.matmul(blk.w_qkv, h), c.n_heads, k_pool, v_pool, token_slots,
+                                          positions, c.rope_dim, c.rope_base, False, c.rope_scale)
+        q_dim, kv_dim = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+        if blk.w_qkv is not None:
+            q, k, v = be.split_cols(be.matmul(blk.w_qkv, h), (q_dim, kv_dim, kv_dim))
+        else:
+            q, k, v = be.matmul(blk.wq, h), be.matmul(blk.wk, h), be.matmul(blk.wv, h)
+        q = q.reshape(n_tok, c.n_heads, c.head_dim)
+        k = k.reshape(n_tok, c.n_kv_heads, c.head_dim)
+        v = v.reshape(n_tok, c.n_kv_heads, c.head_dim)
+        be.rope_inplace(q, positions, c.rope_dim, c.rope_base, False, c.rope_scale)
+        be.rope_inplace(k, positions, c.rope_dim, c.rope_base, False, c.rope_scale)
+        be.kv_write(k_pool, token_slots, positions, k)
+        be.kv_write(v_pool, token_slots, positions, v)
+        return q
+
     def forward(self, state: KVState, batch: list[BatchRow]) -> np.ndarray:
         c, be = self.config, self.backend
         be.begin_step()
@@ -221,35 +246,24 @@ class LlamaModel:
             [np.arange(r.start_pos, r.start_pos + n, dtype=np.int32) for r, n in zip(batch, lengths)]))
         token_slots = be.upload(np.repeat(np.array([r.slot for r in batch], dtype=np.int32), lengths))
         scale = 1.0 / float(np.sqrt(c.head_dim))
-        q_dim, kv_dim = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
 
         x = be.embed(self.tok_embd, tokens)
         h = be.rmsnorm(x, self.blocks[0].attn_norm, c.rms_eps)
         for li, blk in enumerate(self.blocks):
             k_pool, v_pool = state.k[li], state.v[li]
-            if blk.w_qkv is not None and self._fused_ops:
-                # Split, rotated and written to the caches in one kernel.
-                q = be.rope_qkv_into_cache(be.matmul(blk.w_qkv, h), c.n_heads, k_pool, v_pool, token_slots,
-                                           positions, c.rope_dim, c.rope_base, False, c.rope_scale)
+            if decode_only and blk.w_qkv is not None and self._fused_decode:
+                # Rotation, cache writes and attention of the whole batch in one launch.
+                attn = be.attention_decode_qkv(be.matmul(blk.w_qkv, h), c.n_heads, k_pool, v_pool, token_slots,
+                                               positions, c.rope_dim, c.rope_base, False, scale, c.rope_scale)
             else:
-                if blk.w_qkv is not None:
-                    q, k, v = be.split_cols(be.matmul(blk.w_qkv, h), (q_dim, kv_dim, kv_dim))
+                q = self._rotated_queries(blk, h, k_pool, v_pool, token_slots, positions, n_tok)
+                if decode_only:
+                    # One token per sequence: one batched launch over (sequence, head).
+                    attn = be.attention_decode_batch(q, k_pool, v_pool, positions, scale, slot_ids=token_slots)
                 else:
-                    q, k, v = be.matmul(blk.wq, h), be.matmul(blk.wk, h), be.matmul(blk.wv, h)
-                q = q.reshape(n_tok, c.n_heads, c.head_dim)
-                k = k.reshape(n_tok, c.n_kv_heads, c.head_dim)
-                v = v.reshape(n_tok, c.n_kv_heads, c.head_dim)
-                be.rope_inplace(q, positions, c.rope_dim, c.rope_base, False, c.rope_scale)
-                be.rope_inplace(k, positions, c.rope_dim, c.rope_base, False, c.rope_scale)
-                be.kv_write(k_pool, token_slots, positions, k)
-                be.kv_write(v_pool, token_slots, positions, v)
-            if decode_only:
-                # One token per sequence: one batched launch over (sequence, head).
-                attn = be.attention_decode_batch(q, k_pool, v_pool, positions, scale, slot_ids=token_slots)
-            else:
-                attn = be.empty((n_tok, c.n_heads, c.head_dim))
-                for row, a, b in zip(batch, offsets[:-1], offsets[1:]):
-                    be.attention(q[a:b], k_pool, v_pool, row.slot, row.start_pos, scale, out=attn[a:b])
+                    attn = be.empty((n_tok, c.n_heads, c.head_dim))
+                    for row, a, b in zip(batch, offsets[:-1], offsets[1:]):
+                        be.attention(q[a:b], k_pool, v_pool, row.slot, row.start_pos, scale, out=attn[a:b])
             o = be.matmul(blk.wo, attn.reshape(n_tok, c.n_heads * c.head_dim))
             be.add_rmsnorm(x, o, blk.ffn_norm, c.rms_eps, h)
             if blk.w_gate_up is not None and self._fused_ops:

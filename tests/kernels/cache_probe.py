@@ -48,6 +48,13 @@ def main() -> None:
         decoded = ops.attention_decode_batch(rotated[-1:], k_pool, v_pool, positions[-1:], 0.125,
                                              slot_ids=slots[:1])
         out[f"qkv{n}"] = digest(rotated) + digest(k_pool) + digest(v_pool) + digest(decoded)
+    # The fused decode step (rotation, cache writes and attention in one launch), one sequence and three.
+    qkv = rng.standard_normal((3, 15 * 64)).astype(np.float32)
+    k_pool, v_pool = rng.standard_normal((2, 3, 600, 3, 64)).astype(np.float16)
+    for n in (1, 3):
+        decoded = ops.attention_decode_qkv(qkv[:n], 9, k_pool, v_pool, np.arange(n, dtype=np.int32),
+                                           np.array([520, 7, 90][:n], np.int32), 64, 10000.0, False, 0.125)
+        out[f"decode_qkv{n}"] = digest(decoded) + digest(k_pool) + digest(v_pool)
     out["swiglu_stacked"] = digest(ops.swiglu_stacked(np.concatenate([gate, up], axis=1)))
     for qtype in (3, 8, 12):  # Q4_1, Q8_0, Q4_K
         weight = quant.prepare_weight(reference.random_weight_bytes(qtype, 64, 768, rng), qtype, 64, 768)

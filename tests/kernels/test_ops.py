@@ -232,6 +232,60 @@ def test_rope_qkv_into_cache_rejects_bad_input():
     assert not pool.any()  # a refused call wrote nothing
 
 
+@pytest.mark.parametrize("kv_dtype", [np.float32, np.float16])
+@pytest.mark.parametrize(("heads", "head_dim"), [((9, 3), 64), ((8, 2), 32), ((4, 4), 48), ((6, 2), 40)])
+@pytest.mark.parametrize("positions", [[0], [700], [130, 0, 515, 64, 1023]])
+@pytest.mark.parametrize("head_major", [False, True])
+def test_attention_decode_qkv_equals_rope_qkv_into_cache_then_decode_attention(kv_dtype, heads, head_dim,
+                                                                               positions, head_major):
+    """The fused decode step gives the bits of the two launches it replaces, output and caches alike: one
+    sequence (its heads split over items) or several, contexts split into runs past 512 keys, both cache
+    layouts; a head dim off a multiple of 16 takes the two launches themselves."""
+    from pantheon.kernels.cpu.backend import CpuBackend
+
+    n_q, n_kv = heads
+    rng = np.random.default_rng(head_dim + len(positions) + positions[0])
+    n_slots, ctx = 6, 1100
+    positions = np.array(positions, dtype=np.int32)
+    slots = rng.permutation(n_slots)[: len(positions)].astype(np.int32)
+    qkv = random(rng, (len(positions), (n_q + 2 * n_kv) * head_dim))
+
+    def pools() -> tuple[np.ndarray, np.ndarray]:
+        k, v = (CpuBackend.kv_pool(n_slots, ctx, n_kv, head_dim, kv_dtype) if head_major
+                else np.empty((n_slots, ctx, n_kv, head_dim), dtype=kv_dtype) for _ in range(2))
+        fill = np.random.default_rng(7)
+        k[:] = fill.standard_normal(k.shape).astype(kv_dtype)
+        v[:] = fill.standard_normal(v.shape).astype(kv_dtype)
+        return k, v
+
+    k1, v1 = pools()
+    q = ops.rope_qkv_into_cache(qkv, n_q, k1, v1, slots, positions, head_dim, 10000.0, False)
+    expected = ops.attention_decode_batch(q, k1, v1, positions, 0.125, slot_ids=slots)
+    k2, v2 = pools()
+    fused = ops.attention_decode_qkv(qkv, n_q, k2, v2, slots, positions, head_dim, 10000.0, False, 0.125)
+    np.testing.assert_array_equal(fused, expected)
+    np.testing.assert_array_equal(k2, k1)
+    np.testing.assert_array_equal(v2, v1)
+
+
+def test_attention_decode_qkv_rejects_bad_input():
+    n_q, n_kv, hd = 9, 3, 16
+    qkv = np.ones((2, (n_q + 2 * n_kv) * hd), dtype=np.float32)
+    k, v = np.zeros((3, 8, n_kv, hd), np.float32), np.zeros((3, 8, n_kv, hd), np.float32)
+    call = lambda slots, positions, heads=n_q: ops.attention_decode_qkv(  # noqa: E731
+        qkv, heads, k, v, np.array(slots, np.int32), np.array(positions, np.int32), hd, 10000.0, False, 0.25)
+    with pytest.raises(ValueError, match="one slot"):
+        call([1, 1], [2, 5])  # two rows of one slot would race on its cache
+    with pytest.raises(ValueError):
+        call([0, 3], [2, 5])  # no slot 3
+    with pytest.raises(ValueError):
+        call([0, 1], [2, 8])  # position past the cache
+    with pytest.raises(ValueError):
+        call([0, 1], [2, 5], heads=8)  # 8 query heads do not fill the row
+    assert not k.any() and not v.any()  # a refused call wrote nothing
+    assert call([0, 2], [0, 7]).shape == (2, n_q, hd)
+
+
 # --- swiglu --------------------------------------------------------------------------------------------
 
 

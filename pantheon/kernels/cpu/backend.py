@@ -142,6 +142,7 @@ class CpuBackend:
     rope_qkv_into_cache = staticmethod(ops.rope_qkv_into_cache)
     swiglu_stacked = staticmethod(ops.swiglu_stacked)
     attention_decode_batch = staticmethod(ops.attention_decode_batch)
+    attention_decode_qkv = staticmethod(ops.attention_decode_qkv)
     causal_conv1d = staticmethod(ssm.causal_conv1d)
     gdn_gates = staticmethod(ssm.gdn_gates)
     gated_delta_recurrent = staticmethod(ssm.gated_delta_recurrent)

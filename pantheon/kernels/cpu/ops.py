@@ -630,19 +630,20 @@ def _finish_rows(out, b, h0, n_heads, row_sum, acc):
             out_row[c] = acc[i, c] * inv_total
 
 
-@_njit_parallel
-def _attention_decode_kernel(q, k_all, v_all, slot_ids, positions, scale, out):
-    n_seqs, n_q_heads, head_dim = q.shape
-    n_slots, ctx, n_kv_heads = k_all.shape[0], k_all.shape[1], k_all.shape[2]
+@_njit
+def _decode_layout(n_seqs, n_q_heads, n_kv_heads, n_slots, ctx, slot_ids, positions, distinct_slots):
+    """The work items of a decode attention launch: (sequence, kv head, subgroup of its query heads, run of
+    DECODE_SPLIT_KEYS keys). The query heads of a kv head are split into subgroups only when there are fewer
+    than DECODE_MIN_ITEMS (sequence, kv head) pairs (batch 1): a head's arithmetic is the same in any subgroup,
+    so no bits change. Returns (first_item, per_subgroup, n_subgroups, max_splits): sequence b's items are
+    first_item[b] .. first_item[b + 1] - 1. Raises ValueError for a slot or position outside the caches (and,
+    with distinct_slots, for two sequences on one slot)."""
     group = n_q_heads // n_kv_heads
-    # A work item is (sequence, kv head, subgroup of its query heads, run of DECODE_SPLIT_KEYS keys). The
-    # query heads of a kv head are split into subgroups only when there are fewer than DECODE_MIN_ITEMS
-    # (sequence, kv head) pairs (batch 1): a head's arithmetic is the same in any subgroup, so no bits change.
     n_subgroups = min(group, (DECODE_MIN_ITEMS + n_seqs * n_kv_heads - 1) // (n_seqs * n_kv_heads))
     per_subgroup = (group + n_subgroups - 1) // n_subgroups
     n_subgroups = (group + per_subgroup - 1) // per_subgroup
     per_split = n_kv_heads * n_subgroups
-    first_item = np.empty(n_seqs + 1, dtype=np.int64)  # sequence b's items are first_item[b] ..
+    first_item = np.empty(n_seqs + 1, dtype=np.int64)
     first_item[0] = 0
     max_splits = 1
     for b in range(n_seqs):
@@ -650,44 +651,59 @@ def _attention_decode_kernel(q, k_all, v_all, slot_ids, positions, scale, out):
             raise ValueError("attention_decode_batch: slot id out of range")
         if positions[b] < 0 or positions[b] >= ctx:
             raise ValueError("attention_decode_batch: position outside the KV cache")
+        if distinct_slots:
+            for other in range(b):
+                if slot_ids[other] == slot_ids[b]:
+                    raise ValueError("attention_decode_qkv: two sequences on one slot")
         n_splits = (positions[b] + DECODE_SPLIT_KEYS) // DECODE_SPLIT_KEYS
         max_splits = max(max_splits, n_splits)
         first_item[b + 1] = first_item[b] + per_split * n_splits
-    scale32 = np.float32(scale)
-    # The softmax states of split sequences, merged after the parallel loop; one run is finished in place.
-    part_max = np.empty((n_seqs, n_q_heads, max_splits), dtype=np.float32)
-    part_sum = np.empty((n_seqs, n_q_heads, max_splits), dtype=np.float32)
-    part_acc = np.empty((n_seqs, n_q_heads, max_splits if max_splits > 1 else 0, head_dim), dtype=np.float32)
-    for item in prange(first_item[n_seqs]):
-        b = 0
-        while first_item[b + 1] <= item:
-            b += 1
-        local = item - first_item[b]
-        split = local // per_split
-        kvh = (local % per_split) // n_subgroups
-        h0 = kvh * group + (local % n_subgroups) * per_subgroup  # the subgroup's first query head
-        n_heads = min(per_subgroup, (kvh + 1) * group - h0)
-        k_lo = split * DECODE_SPLIT_KEYS
-        k_hi = min(positions[b] + 1, k_lo + DECODE_SPLIT_KEYS)
-        keys = k_all[slot_ids[b]]
-        values = v_all[slot_ids[b]]
-        q_rows = np.empty((n_heads, head_dim), dtype=np.float32)
-        for i in range(n_heads):
-            for c in range(head_dim):
-                q_rows[i, c] = _kv_to_f32(_f32_to_kv(q[b, h0 + i, c], keys))
-        row_max = np.full(n_heads, -np.inf, dtype=np.float32)
-        row_sum = np.zeros(n_heads, dtype=np.float32)
-        acc = np.zeros((n_heads, head_dim), dtype=np.float32)
-        scores = np.empty((n_heads, KEY_TILE), dtype=np.float32)
-        _attend_group(q_rows, keys, values, kvh, k_lo, k_hi, scale32, row_max, row_sum, acc, scores)
-        if first_item[b + 1] - first_item[b] == per_split:
-            # One run: the output rows now. Only this item reads these q rows, so out may be q.
-            _finish_rows(out, b, h0, n_heads, row_sum, acc)
-            continue
-        for i in range(n_heads):
-            part_max[b, h0 + i, split] = row_max[i]
-            part_sum[b, h0 + i, split] = row_sum[i]
-            part_acc[b, h0 + i, split] = acc[i]
+    return first_item, per_subgroup, n_subgroups, max_splits
+
+
+@_njit
+def _decode_item(item, first_item, per_subgroup, n_subgroups, group, n_kv_heads, positions):
+    """(b, split, kvh, h0, n_heads, k_lo, k_hi) of work item `item` (see `_decode_layout`): sequence b, its
+    key run `split` (keys k_lo .. k_hi - 1), kv head kvh and its query heads h0 .. h0 + n_heads - 1."""
+    b = 0
+    while first_item[b + 1] <= item:
+        b += 1
+    per_split = n_kv_heads * n_subgroups
+    local = item - first_item[b]
+    split = local // per_split
+    kvh = (local % per_split) // n_subgroups
+    h0 = kvh * group + (local % n_subgroups) * per_subgroup
+    n_heads = min(per_subgroup, (kvh + 1) * group - h0)
+    k_lo = split * DECODE_SPLIT_KEYS
+    k_hi = min(positions[b] + 1, k_lo + DECODE_SPLIT_KEYS)
+    return b, split, kvh, h0, n_heads, k_lo, k_hi
+
+
+@_njit
+def _attend_item(q_rows, keys, values, kvh, k_lo, k_hi, scale32, b, h0, split, single_run, out,
+                 part_max, part_sum, part_acc):
+    """Attend query rows q_rows (already rounded to the cache's type) over keys k_lo .. k_hi - 1; a sequence's
+    single run writes its output rows at once, a split one leaves its softmax state for `_merge_splits`."""
+    n_heads, head_dim = q_rows.shape
+    row_max = np.full(n_heads, -np.inf, dtype=np.float32)
+    row_sum = np.zeros(n_heads, dtype=np.float32)
+    acc = np.zeros((n_heads, head_dim), dtype=np.float32)
+    scores = np.empty((n_heads, KEY_TILE), dtype=np.float32)
+    _attend_group(q_rows, keys, values, kvh, k_lo, k_hi, scale32, row_max, row_sum, acc, scores)
+    if single_run:
+        # Only this item reads these heads' q, so out may be q.
+        _finish_rows(out, b, h0, n_heads, row_sum, acc)
+        return
+    for i in range(n_heads):
+        part_max[b, h0 + i, split] = row_max[i]
+        part_sum[b, h0 + i, split] = row_sum[i]
+        part_acc[b, h0 + i, split] = acc[i]
+
+
+@_njit
+def _merge_splits(positions, part_max, part_sum, part_acc, out):
+    """The output rows of the sequences whose keys were split into runs: their softmax states merged."""
+    n_seqs, n_q_heads, head_dim = out.shape
     for b in range(n_seqs):
         n_splits = (positions[b] + DECODE_SPLIT_KEYS) // DECODE_SPLIT_KEYS
         if n_splits == 1:
@@ -707,6 +723,75 @@ def _attention_decode_kernel(q, k_all, v_all, slot_ids, positions, scale, out):
             inv_total = np.float32(1.0) / total
             for c in range(head_dim):
                 out_row[c] *= inv_total
+
+
+@_njit
+def _split_states(n_seqs, n_q_heads, head_dim, max_splits):
+    """Buffers for the softmax states of split sequences (empty when no sequence is split)."""
+    part_max = np.empty((n_seqs, n_q_heads, max_splits), dtype=np.float32)
+    part_sum = np.empty((n_seqs, n_q_heads, max_splits), dtype=np.float32)
+    part_acc = np.empty((n_seqs, n_q_heads, max_splits if max_splits > 1 else 0, head_dim), dtype=np.float32)
+    return part_max, part_sum, part_acc
+
+
+@_njit_parallel
+def _attention_decode_kernel(q, k_all, v_all, slot_ids, positions, scale, out):
+    n_seqs, n_q_heads, head_dim = q.shape
+    n_kv_heads = k_all.shape[2]
+    group = n_q_heads // n_kv_heads
+    first_item, per_subgroup, n_subgroups, max_splits = _decode_layout(
+        n_seqs, n_q_heads, n_kv_heads, k_all.shape[0], k_all.shape[1], slot_ids, positions, False)
+    part_max, part_sum, part_acc = _split_states(n_seqs, n_q_heads, head_dim, max_splits)
+    scale32 = np.float32(scale)
+    for item in prange(first_item[n_seqs]):
+        b, split, kvh, h0, n_heads, k_lo, k_hi = _decode_item(item, first_item, per_subgroup, n_subgroups, group,
+                                                              n_kv_heads, positions)
+        keys = k_all[slot_ids[b]]
+        values = v_all[slot_ids[b]]
+        q_rows = np.empty((n_heads, head_dim), dtype=np.float32)
+        for i in range(n_heads):
+            for c in range(head_dim):
+                q_rows[i, c] = _kv_to_f32(_f32_to_kv(q[b, h0 + i, c], keys))
+        _attend_item(q_rows, keys, values, kvh, k_lo, k_hi, scale32, b, h0, split,
+                     first_item[b + 1] - first_item[b] == n_kv_heads * n_subgroups, out, part_max, part_sum, part_acc)
+    _merge_splits(positions, part_max, part_sum, part_acc, out)
+
+
+# No fast-math flags (see the rope kernels): `_rotate_head` is inlined here, and must compute what it does in
+# `rope_qkv_into_cache`. The attention itself runs in `_attend_item`, compiled with its own flags.
+@numba.njit(cache=True, nogil=True, error_model="numpy", parallel=True)
+def _attention_decode_qkv_kernel(qkv, neox, cos_table, sin_table, k_all, v_all, slot_ids, positions, scale, out):
+    """`_attention_decode_kernel` on the stacked projection: each item rotates its own query heads out of qkv,
+    and every item whose run ends at the sequence's position first writes that position's rotated key and its
+    value for its kv head (the items of one kv head's subgroups write the same bits there), as
+    `rope_qkv_into_cache` would have before the launch."""
+    n_seqs, n_q_heads, head_dim = out.shape
+    n_kv_heads = k_all.shape[2]
+    group = n_q_heads // n_kv_heads
+    v_first = (n_q_heads + n_kv_heads) * head_dim
+    first_item, per_subgroup, n_subgroups, max_splits = _decode_layout(
+        n_seqs, n_q_heads, n_kv_heads, k_all.shape[0], k_all.shape[1], slot_ids, positions, True)
+    part_max, part_sum, part_acc = _split_states(n_seqs, n_q_heads, head_dim, max_splits)
+    scale32 = np.float32(scale)
+    for item in prange(first_item[n_seqs]):
+        b, split, kvh, h0, n_heads, k_lo, k_hi = _decode_item(item, first_item, per_subgroup, n_subgroups, group,
+                                                              n_kv_heads, positions)
+        slot, pos, row = slot_ids[b], positions[b], qkv[b]
+        keys = k_all[slot]
+        values = v_all[slot]
+        if k_hi == pos + 1:
+            _rotate_head(row, (n_q_heads + kvh) * head_dim, neox, cos_table[b], sin_table[b], keys[pos, kvh])
+            v_row = values[pos, kvh]
+            for c in range(head_dim):
+                v_row[c] = _f32_to_kv(row[v_first + kvh * head_dim + c], values)
+        q_rows = np.empty((n_heads, head_dim), dtype=np.float32)
+        for i in range(n_heads):
+            _rotate_head(row, (h0 + i) * head_dim, neox, cos_table[b], sin_table[b], q_rows[i])
+            for c in range(head_dim):
+                q_rows[i, c] = _kv_to_f32(_f32_to_kv(q_rows[i, c], keys))
+        _attend_item(q_rows, keys, values, kvh, k_lo, k_hi, scale32, b, h0, split,
+                     first_item[b + 1] - first_item[b] == n_kv_heads * n_subgroups, out, part_max, part_sum, part_acc)
+    _merge_splits(positions, part_max, part_sum, part_acc, out)
 
 
 @_njit_parallel
@@ -812,4 +897,42 @@ def attention_decode_batch(
         _attention_decode_kernel(q, k_view, v_view, slot_ids, positions, scale, out)
     else:
         _attention_decode_rows_kernel(q, k_view, v_view, slot_ids, positions, scale, out)
+    return out
+
+
+def attention_decode_qkv(
+    qkv: np.ndarray,
+    n_q_heads: int,
+    k_pool: np.ndarray,
+    v_pool: np.ndarray,
+    slots: np.ndarray,
+    positions: np.ndarray,
+    n_rot: int,
+    freq_base: float,
+    neox: bool,
+    scale: float,
+    freq_scale: float = 1.0,
+) -> np.ndarray:
+    """A decode step's attention straight from the stacked projection q|k|v (B, (Hq + 2 Hkv) * hd), one token
+    per sequence on distinct slots: `rope_qkv_into_cache` then `attention_decode_batch`, in one parallel
+    launch and with the same bits (the rotation and the attention are the same code). Sequence b's rotated
+    key and its value land in k_pool / v_pool at [slots[b], positions[b]] as they would there. Returns the
+    attention output (B, Hq, hd)."""
+    n_kv, head_dim = k_pool.shape[2], k_pool.shape[3]
+    if head_dim % LANES:
+        q = rope_qkv_into_cache(qkv, n_q_heads, k_pool, v_pool, slots, positions, n_rot, freq_base, neox, freq_scale)
+        return attention_decode_batch(q, k_pool, v_pool, positions, scale, q, slot_ids=slots)
+    if qkv.ndim != 2 or qkv.shape[1] != (n_q_heads + 2 * n_kv) * head_dim or v_pool.shape != k_pool.shape \
+            or n_q_heads % n_kv:
+        raise ValueError(f"attention_decode_qkv: projection {qkv.shape} for {n_q_heads} query heads and caches "
+                         f"{k_pool.shape} / {v_pool.shape}")
+    _check_n_rot(n_rot, head_dim)
+    slots, positions = np.asarray(slots), np.asarray(positions)
+    if not len(slots) == len(positions) == qkv.shape[0]:
+        raise ValueError(f"attention_decode_qkv: {len(slots)} slots, {len(positions)} positions for "
+                         f"{qkv.shape[0]} rows")
+    cos_table, sin_table = _angle_tables(positions, n_rot, float(freq_base), float(freq_scale))
+    out = np.empty((qkv.shape[0], n_q_heads, head_dim), dtype=np.float32)
+    _attention_decode_qkv_kernel(qkv, bool(neox), cos_table, sin_table, kernel_view(k_pool), kernel_view(v_pool),
+                                 slots, positions, scale, out)
     return out
