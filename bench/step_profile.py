@@ -26,7 +26,7 @@ served = load_served_model(ModelOptions(path=default_model(), name="p"), read_en
 model = served.model
 times = collections.defaultdict(float)
 OPS = ["matmul", "embed", "split_cols", "rmsnorm", "add_rmsnorm", "rope_inplace", "swiglu", "kv_write",
-       "rope_qkv_into_cache", "swiglu_stacked", "attention_decode_batch", "attention"]
+       "rope_qkv_into_cache", "swiglu_stacked", "attention_decode_batch", "attention_decode_qkv", "attention"]
 for name in OPS:
     f = getattr(be, name)
     def wrap(*a, _f=f, _n=name, **k):
