@@ -371,6 +371,23 @@ def _qkv_parallel(qkv, neox, cos_table, sin_table, q_out, k_pool, v_pool, slots,
         _qkv_token(qkv, t, neox, cos_table[t], sin_table[t], q_out, k_pool, v_pool, slots[t], positions[t])
 
 
+def _qkv_inputs(name: str, qkv: np.ndarray, n_q_heads: int, k_pool: np.ndarray, v_pool: np.ndarray,
+                slots: np.ndarray, positions: np.ndarray, n_rot: int, freq_base: float, freq_scale: float
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The checks of a stacked q|k|v projection against its caches (ValueError naming `name`), then (slots,
+    positions, cos_table, sin_table) for the kernels."""
+    n_kv, head_dim = k_pool.shape[2], k_pool.shape[3]
+    if qkv.ndim != 2 or qkv.shape[1] != (n_q_heads + 2 * n_kv) * head_dim or v_pool.shape != k_pool.shape \
+            or n_q_heads % n_kv:
+        raise ValueError(f"{name}: projection {qkv.shape} for {n_q_heads} query heads and caches "
+                         f"{k_pool.shape} / {v_pool.shape}")
+    _check_n_rot(n_rot, head_dim)
+    slots, positions = np.asarray(slots), np.asarray(positions)
+    if not len(slots) == len(positions) == qkv.shape[0]:
+        raise ValueError(f"{name}: {len(slots)} slots, {len(positions)} positions for {qkv.shape[0]} rows")
+    return (slots, positions, *_angle_tables(positions, n_rot, float(freq_base), float(freq_scale)))
+
+
 def rope_qkv_into_cache(
     qkv: np.ndarray,
     n_q_heads: int,
@@ -387,16 +404,9 @@ def rope_qkv_into_cache(
     (T, Hq, hd) rotated as `rope_inplace` would; k rotated and v as they are go to k_pool / v_pool (S, ctx, Hkv,
     hd, float32 or float16) at [slots[t], positions[t]], as `kv_write` would. One kernel call where the split,
     two rotations and two cache writes took seven (each a few microseconds at decode sizes)."""
-    n_kv, head_dim = k_pool.shape[2], k_pool.shape[3]
-    if qkv.ndim != 2 or qkv.shape[1] != (n_q_heads + 2 * n_kv) * head_dim or v_pool.shape != k_pool.shape:
-        raise ValueError(f"rope_qkv_into_cache: projection {qkv.shape} for {n_q_heads} query heads and caches "
-                         f"{k_pool.shape} / {v_pool.shape}")
-    _check_n_rot(n_rot, head_dim)
-    n_tok = qkv.shape[0]
-    slots, positions = np.asarray(slots), np.asarray(positions)
-    if not len(slots) == len(positions) == n_tok:
-        raise ValueError(f"rope_qkv_into_cache: {len(slots)} slots, {len(positions)} positions for {n_tok} rows")
-    cos_table, sin_table = _angle_tables(positions, n_rot, float(freq_base), float(freq_scale))
+    slots, positions, cos_table, sin_table = _qkv_inputs("rope_qkv_into_cache", qkv, n_q_heads, k_pool, v_pool,
+                                                         slots, positions, n_rot, freq_base, freq_scale)
+    n_tok, head_dim = qkv.shape[0], k_pool.shape[3]
     q = np.empty((n_tok, n_q_heads, head_dim), dtype=np.float32)
     kernel = _qkv_parallel if n_tok >= ROPE_PARALLEL_MIN_TOKENS else _qkv_serial
     kernel(qkv, bool(neox), cos_table, sin_table, q, kernel_view(k_pool), kernel_view(v_pool), slots, positions)
@@ -918,20 +928,12 @@ def attention_decode_qkv(
     launch and with the same bits (the rotation and the attention are the same code). Sequence b's rotated
     key and its value land in k_pool / v_pool at [slots[b], positions[b]] as they would there. Returns the
     attention output (B, Hq, hd)."""
-    n_kv, head_dim = k_pool.shape[2], k_pool.shape[3]
+    head_dim = k_pool.shape[3]
     if head_dim % LANES:
         q = rope_qkv_into_cache(qkv, n_q_heads, k_pool, v_pool, slots, positions, n_rot, freq_base, neox, freq_scale)
         return attention_decode_batch(q, k_pool, v_pool, positions, scale, q, slot_ids=slots)
-    if qkv.ndim != 2 or qkv.shape[1] != (n_q_heads + 2 * n_kv) * head_dim or v_pool.shape != k_pool.shape \
-            or n_q_heads % n_kv:
-        raise ValueError(f"attention_decode_qkv: projection {qkv.shape} for {n_q_heads} query heads and caches "
-                         f"{k_pool.shape} / {v_pool.shape}")
-    _check_n_rot(n_rot, head_dim)
-    slots, positions = np.asarray(slots), np.asarray(positions)
-    if not len(slots) == len(positions) == qkv.shape[0]:
-        raise ValueError(f"attention_decode_qkv: {len(slots)} slots, {len(positions)} positions for "
-                         f"{qkv.shape[0]} rows")
-    cos_table, sin_table = _angle_tables(positions, n_rot, float(freq_base), float(freq_scale))
+    slots, positions, cos_table, sin_table = _qkv_inputs("attention_decode_qkv", qkv, n_q_heads, k_pool, v_pool,
+                                                         slots, positions, n_rot, freq_base, freq_scale)
     out = np.empty((qkv.shape[0], n_q_heads, head_dim), dtype=np.float32)
     _attention_decode_qkv_kernel(qkv, bool(neox), cos_table, sin_table, kernel_view(k_pool), kernel_view(v_pool),
                                  slots, positions, scale, out)
