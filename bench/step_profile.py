@@ -2,12 +2,18 @@
 
     .venv/bin/python bench/step_profile.py [THREADS]           # int8 activations (the default)
     PANTHEON_CPU_INT8=0 .venv/bin/python bench/step_profile.py   # float32 activations
+    PROFILE_PYTHON_LOOP=1 .venv/bin/python bench/step_profile.py  # the layers one op at a time, from Python
+
+By default a decode step's layers run as one compiled call where the model has that path
+(kernels/cpu/decode_layers.py), which shows here as the single op `decode_layers`; PROFILE_PYTHON_LOOP=1 turns
+it off to see the ops one by one (the same kernels, plus the Python between them).
 
 Prefills 200 prompt tokens per sequence, then times 48 decode steps (the second of two rounds), so the
 context is ~250-300 tokens. "outside ops" is the step time not spent inside a backend op (Python, sampling).
 """
 
 import collections
+import os
 import sys
 import time
 from pathlib import Path
@@ -24,8 +30,10 @@ threads = int(sys.argv[1]) if len(sys.argv) > 1 else 2
 be = CpuBackend(threads, int8=read_env().cpu_int8)
 served = load_served_model(ModelOptions(path=default_model(), name="p"), read_env(), be)
 model = served.model
+if os.environ.get("PROFILE_PYTHON_LOOP") == "1":
+    model._decode_plan = None
 times = collections.defaultdict(float)
-OPS = ["matmul", "embed", "split_cols", "rmsnorm", "add_rmsnorm", "rope_inplace", "swiglu", "kv_write",
+OPS = ["decode_layers", "matmul", "embed", "split_cols", "rmsnorm", "add_rmsnorm", "rope_inplace", "swiglu", "kv_write",
        "rope_qkv_into_cache", "swiglu_stacked", "attention_decode_batch", "attention_decode_qkv", "attention"]
 for name in OPS:
     f = getattr(be, name)

@@ -8,7 +8,7 @@ logits = Wout . norm(x)          (Wout = token embeddings when output.weight is 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -93,6 +93,8 @@ class KVState:
     k: list[np.ndarray]
     v: list[np.ndarray]
     ctx_cap: int
+    # The caches as the compiled decode path takes them (`backend.kernel_pools`), made on its first step.
+    kernel_pools: Any = field(default=None, compare=False, repr=False)
 
     @property
     def n_slots(self) -> int:
@@ -113,6 +115,9 @@ class LlamaModel:
         self._fused_ops = hasattr(backend, "rope_qkv_into_cache") and hasattr(backend, "swiglu_stacked")
         # And a decode step's attention straight from the stacked projection (`attention_decode_qkv`).
         self._fused_decode = self._fused_ops and hasattr(backend, "attention_decode_qkv")
+        # Backends that run a whole decode step's layers in one compiled call, for the shapes they serve.
+        self._decode_plan = (backend.decode_plan(blocks, output_norm, config.head_dim)
+                             if hasattr(backend, "decode_plan") else None)
         self.tok_embd = tok_embd
         self.blocks = blocks
         self.output_norm = output_norm
@@ -249,6 +254,12 @@ class LlamaModel:
 
         x = be.embed(self.tok_embd, tokens)
         h = be.rmsnorm(x, self.blocks[0].attn_norm, c.rms_eps)
+        if decode_only and self._decode_plan is not None:
+            if state.kernel_pools is None:
+                state.kernel_pools = (be.kernel_pools(state.k), be.kernel_pools(state.v))
+            be.decode_layers(self._decode_plan, x, h, c.rms_eps, *state.kernel_pools, token_slots, positions,
+                             c.n_heads, c.rope_dim, c.rope_base, c.rope_scale, scale)
+            return output_logits(be, self.output, h, batch, offsets, c.vocab_size)
         for li, blk in enumerate(self.blocks):
             k_pool, v_pool = state.k[li], state.v[li]
             if decode_only and blk.w_qkv is not None and self._fused_decode:

@@ -13,7 +13,7 @@ import numpy as np
 from pantheon.errors import ModelLoadError
 from pantheon.io.gguf_file import GGUFFile
 from pantheon.kernels.backend import checked_row_run
-from pantheon.kernels.cpu import int8dot, moe, ops, quant, ssm
+from pantheon.kernels.cpu import decode_layers, int8dot, moe, ops, quant, ssm
 from pantheon.kernels.cpu.moe import ExpertWeights
 from pantheon.kernels.cpu.quant import QWeight
 
@@ -132,6 +132,18 @@ class CpuBackend:
 
     def matmul(self, w: QWeight, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         return quant.matmul(w, x, out, int8=self.int8, threads=self.threads)
+
+    def decode_plan(self, blocks: list[Any], output_norm: np.ndarray, head_dim: int) -> Any:
+        """The weights of a llama model's layers for `decode_layers`, or None when its shape is not served."""
+        return decode_layers.build_plan(blocks, output_norm, head_dim, self.int8)
+
+    kernel_pools = staticmethod(decode_layers.kernel_pools)
+
+    def decode_layers(self, plan: Any, x: np.ndarray, h: np.ndarray, eps: float, k_pools: Any, v_pools: Any,
+                      slots: np.ndarray, positions: np.ndarray, n_q_heads: int, n_rot: int, freq_base: float,
+                      freq_scale: float, scale: float) -> None:
+        decode_layers.decode_layers(plan, x, h, eps, k_pools, v_pools, slots, positions, n_q_heads, n_rot,
+                                    freq_base, freq_scale, scale, self.threads)
 
     embed = staticmethod(quant.dequantize_rows)
     rmsnorm = staticmethod(ops.rmsnorm)
