@@ -116,7 +116,7 @@ class LlamaModel:
         # And a decode step's attention straight from the stacked projection (`attention_decode_qkv`).
         self._fused_decode = self._fused_ops and hasattr(backend, "attention_decode_qkv")
         # Backends that run a whole decode step's layers in one compiled call, for the shapes they serve.
-        self._decode_plan = (backend.decode_plan(blocks, output_norm, config.head_dim)
+        self._decode_plan = (backend.decode_plan(blocks, output_norm, config.head_dim, tok_embd, output)
                              if hasattr(backend, "decode_plan") else None)
         self.tok_embd = tok_embd
         self.blocks = blocks
@@ -252,13 +252,19 @@ class LlamaModel:
         token_slots = be.upload(np.repeat(np.array([r.slot for r in batch], dtype=np.int32), lengths))
         scale = 1.0 / float(np.sqrt(c.head_dim))
 
+        plan = self._decode_plan if decode_only else None
+        if plan is not None and state.kernel_pools is None:
+            state.kernel_pools = (be.kernel_pools(state.k), be.kernel_pools(state.v))
+        if plan is not None and plan.ends is not None and all(r.logits == "last" for r in batch):
+            # Embedding to logits in one call: the GIL is taken back once a step, not after every kernel.
+            logits = be.decode_step(plan, tokens, c.rms_eps, *state.kernel_pools, token_slots, positions, c.n_heads,
+                                    c.rope_dim, c.rope_base, c.rope_scale, scale)
+            return logits[:, : c.vocab_size]
         x = be.embed(self.tok_embd, tokens)
         h = be.rmsnorm(x, self.blocks[0].attn_norm, c.rms_eps)
-        if decode_only and self._decode_plan is not None:
-            if state.kernel_pools is None:
-                state.kernel_pools = (be.kernel_pools(state.k), be.kernel_pools(state.v))
-            be.decode_layers(self._decode_plan, x, h, c.rms_eps, *state.kernel_pools, token_slots, positions,
-                             c.n_heads, c.rope_dim, c.rope_base, c.rope_scale, scale)
+        if plan is not None:
+            be.decode_layers(plan, x, h, c.rms_eps, *state.kernel_pools, token_slots, positions, c.n_heads,
+                             c.rope_dim, c.rope_base, c.rope_scale, scale)
             return output_logits(be, self.output, h, batch, offsets, c.vocab_size)
         for li, blk in enumerate(self.blocks):
             k_pool, v_pool = state.k[li], state.v[li]

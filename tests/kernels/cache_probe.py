@@ -72,6 +72,22 @@ def main() -> None:
         prefill = model.forward(state, [BatchRow(0, tokens, 0, "all")])
         decode = model.forward(state, [BatchRow(0, np.array([5], np.int32), 40)])
         out[name] = digest(prefill) + digest(decode)
+    # The default model's compiled decode step (kernels/cpu/decode_layers.py) and its Python loop.
+    from pantheon.config import ModelOptions, read_env
+    from pantheon.engine.loader import load_served_model
+
+    env = read_env()
+    if env.default_model_path.exists() and int8dot.INT8_ISA is not None:
+        model = load_served_model(ModelOptions(path=env.default_model_path, name="probe"), env,
+                                  CpuBackend(2, int8=True)).model
+        for name, plan in (("decode_step", model._decode_plan), ("decode_loop", None)):
+            model._decode_plan = plan
+            state = model.new_state(2, 64)
+            model.forward(state, [BatchRow(0, np.arange(1, 30, dtype=np.int32), 0, "none")])
+            model.forward(state, [BatchRow(1, np.arange(5, 20, dtype=np.int32), 0, "none")])
+            logits = model.forward(state, [BatchRow(0, np.array([7], np.int32), 29),
+                                           BatchRow(1, np.array([9], np.int32), 15)])
+            out[name] = digest(logits) + digest(state.k[-1]) + digest(state.v[-1])
     print(" ".join(f"{name}={value}" for name, value in out.items()))
 
 

@@ -133,9 +133,11 @@ class CpuBackend:
     def matmul(self, w: QWeight, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         return quant.matmul(w, x, out, int8=self.int8, threads=self.threads)
 
-    def decode_plan(self, blocks: list[Any], output_norm: np.ndarray, head_dim: int) -> Any:
-        """The weights of a llama model's layers for `decode_layers`, or None when its shape is not served."""
-        return decode_layers.build_plan(blocks, output_norm, head_dim, self.int8)
+    def decode_plan(self, blocks: list[Any], output_norm: np.ndarray, head_dim: int, tok_embd: Any = None,
+                    output: Any = None) -> Any:
+        """The weights of a llama model's layers for `decode_layers` (and, where it can take them, its
+        embedding and output matrix for `decode_step`), or None when its shape is not served."""
+        return decode_layers.build_plan(blocks, output_norm, head_dim, self.int8, tok_embd, output)
 
     kernel_pools = staticmethod(decode_layers.kernel_pools)
 
@@ -144,6 +146,12 @@ class CpuBackend:
                       freq_scale: float, scale: float) -> None:
         decode_layers.decode_layers(plan, x, h, eps, k_pools, v_pools, slots, positions, n_q_heads, n_rot,
                                     freq_base, freq_scale, scale, self.threads)
+
+    def decode_step(self, plan: Any, tokens: np.ndarray, eps: float, k_pools: Any, v_pools: Any, slots: np.ndarray,
+                    positions: np.ndarray, n_q_heads: int, n_rot: int, freq_base: float, freq_scale: float,
+                    scale: float) -> np.ndarray:
+        return decode_layers.decode_step(plan, tokens, eps, k_pools, v_pools, slots, positions, n_q_heads, n_rot,
+                                         freq_base, freq_scale, scale, self.threads)
 
     embed = staticmethod(quant.dequantize_rows)
     rmsnorm = staticmethod(ops.rmsnorm)

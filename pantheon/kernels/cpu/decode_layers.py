@@ -21,7 +21,7 @@ import numba
 import numpy as np
 from numba.typed import List
 
-from pantheon.kernels.cpu import int8dot, ops
+from pantheon.kernels.cpu import int8dot, ops, quant
 
 # The matrices of a layer, in the order of `DecodePlan.qtypes` / `rows` columns.
 QKV, OUT, GATE_UP, DOWN = 0, 1, 2, 3
@@ -71,6 +71,41 @@ def _layers(x, h, qtypes, rows, flips, w_qkv, w_out, w_gate_up, w_down, ffn_norm
         _add_rmsnorm(x, d, next_norms[li], eps, h)
 
 
+@numba.njit(cache=True, nogil=True, error_model="numpy")
+def _step(tokens, embd_qtype, embd_data, first_norm, out_qtype, out_packed, out_rows, out_flip, qtypes, rows, flips,
+          w_qkv, w_out, w_gate_up, w_down, ffn_norms, next_norms, eps, k_pools, v_pools, slots, positions,
+          cos_table, sin_table, scale, n_q_heads, n_chunks):
+    """The whole decode step: embedding rows, the first norm, the layers and the output matrix; the logits
+    (B, out_rows)."""
+    for t in range(tokens.shape[0]):
+        if tokens[t] < 0 or tokens[t] >= embd_data.shape[0]:
+            raise IndexError("token id out of range for the embedding")
+    x = np.empty((tokens.shape[0], first_norm.shape[0]), dtype=np.float32)
+    quant._dequant_rows(embd_qtype, embd_data, tokens, x, quant._N16)
+    h = np.empty_like(x)
+    if x.size >= ops.RMSNORM_PARALLEL_MIN_ELEMENTS:
+        ops._rmsnorm_parallel(x, first_norm, eps, h)
+    else:
+        ops._rmsnorm_serial(x, first_norm, eps, h)
+    _layers(x, h, qtypes, rows, flips, w_qkv, w_out, w_gate_up, w_down, ffn_norms, next_norms, eps, k_pools, v_pools,
+            slots, positions, cos_table, sin_table, scale, n_q_heads, n_chunks)
+    return _matmul(out_qtype, out_packed, out_rows, h, out_flip, n_chunks)
+
+
+@dataclass
+class DecodeEnds:
+    """The embedding and the output matrix, when the compiled step can take them too: a quantized embedding
+    (dequantized row by row as `quant.dequantize_rows` does) and an int8-path output matrix."""
+
+    embd_qtype: int
+    embd_data: np.ndarray
+    first_norm: np.ndarray
+    out_qtype: int
+    out_packed: np.ndarray
+    out_rows: int
+    out_flip: np.int32
+
+
 @dataclass
 class DecodePlan:
     """A model's weights as `decode_layers` takes them, built once."""
@@ -84,10 +119,13 @@ class DecodePlan:
     w_down: Any
     ffn_norms: np.ndarray  # float32 (L, D)
     next_norms: np.ndarray  # float32 (L, D): the next layer's attention norm, the output norm after the last
+    ends: DecodeEnds | None = None  # set when the whole step, embedding to logits, runs compiled
 
 
-def build_plan(blocks: list[Any], output_norm: np.ndarray, head_dim: int, int8: bool) -> DecodePlan | None:
-    """The plan for a llama model's blocks, or None when they are not all of the shape this path serves."""
+def build_plan(blocks: list[Any], output_norm: np.ndarray, head_dim: int, int8: bool, tok_embd: Any = None,
+               output: Any = None) -> DecodePlan | None:
+    """The plan for a llama model's blocks, or None when they are not all of the shape this path serves. With
+    the embedding and output matrices given and of a shape it takes, the plan covers the whole step."""
     if not int8 or int8dot.INT8_ISA is None or head_dim % ops.LANES or not blocks:
         return None
     matrices = []
@@ -100,7 +138,15 @@ def build_plan(blocks: list[Any], output_norm: np.ndarray, head_dim: int, int8: 
     for layer in matrices:
         for target, w in zip(lists, layer):
             target.append(w.int8_packed)
+    ends = None
+    if (tok_embd is not None and output is not None and getattr(tok_embd, "qtype", quant.F32) != quant.F32
+            and tok_embd.qtype in quant.SUPPORTED_TYPES and getattr(output, "qtype", None) in int8dot.INT8_TYPES):
+        ends = DecodeEnds(embd_qtype=tok_embd.qtype, embd_data=tok_embd.data,
+                          first_norm=np.asarray(blocks[0].attn_norm, dtype=np.float32), out_qtype=output.qtype,
+                          out_packed=output.int8_packed, out_rows=output.rows,
+                          out_flip=np.int32(int8dot._flip(output.qtype, int8dot.INT8_ISA)))
     return DecodePlan(
+        ends=ends,
         qtypes=np.array([[w.qtype for w in layer] for layer in matrices], dtype=np.int64),
         rows=np.array([[w.rows for w in layer] for layer in matrices], dtype=np.int64),
         flips=np.array([[int8dot._flip(w.qtype, int8dot.INT8_ISA) for w in layer] for layer in matrices],
@@ -133,3 +179,20 @@ def decode_layers(plan: DecodePlan, x: np.ndarray, h: np.ndarray, eps: float, k_
     _layers(x, h, plan.qtypes, plan.rows, plan.flips, plan.w_qkv, plan.w_out, plan.w_gate_up, plan.w_down,
             plan.ffn_norms, plan.next_norms, float(eps), k_pools, v_pools, slots, positions, cos_table,
             sin_table, float(scale), n_q_heads, 4 * threads)
+
+
+def decode_step(plan: DecodePlan, tokens: np.ndarray, eps: float, k_pools: Any, v_pools: Any, slots: np.ndarray,
+                positions: np.ndarray, n_q_heads: int, n_rot: int, freq_base: float, freq_scale: float, scale: float,
+                threads: int) -> np.ndarray:
+    """A whole decode step in one compiled call (plan.ends set): token ids (B,) -> logits (B, output rows), as
+    the embedding, `decode_layers` and the output matmul give them. Raises IndexError for a token id outside the
+    embedding, ValueError for a slot or position outside the caches or two rows on one slot."""
+    ends = plan.ends
+    head_dim = k_pools[0].shape[3]
+    ops._check_n_rot(n_rot, head_dim)
+    slots, positions = np.asarray(slots, dtype=np.int32), np.asarray(positions, dtype=np.int32)
+    cos_table, sin_table = ops._angle_tables(positions, n_rot, float(freq_base), float(freq_scale))
+    return _step(np.ascontiguousarray(tokens, dtype=np.int64), ends.embd_qtype, ends.embd_data, ends.first_norm,
+                 ends.out_qtype, ends.out_packed, ends.out_rows, ends.out_flip, plan.qtypes, plan.rows, plan.flips,
+                 plan.w_qkv, plan.w_out, plan.w_gate_up, plan.w_down, plan.ffn_norms, plan.next_norms, float(eps),
+                 k_pools, v_pools, slots, positions, cos_table, sin_table, float(scale), n_q_heads, 4 * threads)
