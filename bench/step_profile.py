@@ -4,9 +4,10 @@
     PANTHEON_CPU_INT8=0 .venv/bin/python bench/step_profile.py   # float32 activations
     PROFILE_PYTHON_LOOP=1 .venv/bin/python bench/step_profile.py  # the layers one op at a time, from Python
 
-By default a decode step's layers run as one compiled call where the model has that path
-(kernels/cpu/decode_layers.py), which shows here as the single op `decode_layers`; PROFILE_PYTHON_LOOP=1 turns
-it off to see the ops one by one (the same kernels, plus the Python between them).
+By default a decode step runs as one compiled call where the model has that path (kernels/cpu/decode_layers.py),
+which shows here as the single op `decode_step` (or `decode_layers`, when the embedding or the output matrix
+stays outside); PROFILE_PYTHON_LOOP=1 turns it off to see the ops one by one (the same kernels, plus the
+Python between them).
 
 Prefills 200 prompt tokens per sequence, then times 48 decode steps (the second of two rounds), so the
 context is ~250-300 tokens. "outside ops" is the step time not spent inside a backend op (Python, sampling).
@@ -33,7 +34,7 @@ model = served.model
 if os.environ.get("PROFILE_PYTHON_LOOP") == "1":
     model._decode_plan = None
 times = collections.defaultdict(float)
-OPS = ["decode_layers", "matmul", "embed", "split_cols", "rmsnorm", "add_rmsnorm", "rope_inplace", "swiglu", "kv_write",
+OPS = ["decode_step", "decode_layers", "matmul", "embed", "split_cols", "rmsnorm", "add_rmsnorm", "rope_inplace", "swiglu", "kv_write",
        "rope_qkv_into_cache", "swiglu_stacked", "attention_decode_batch", "attention_decode_qkv", "attention"]
 for name in OPS:
     f = getattr(be, name)
