@@ -9,7 +9,9 @@ so the numbers are the bits of the Python path (tests/kernels/test_decode_layers
 
 Only the shape of model that the int8 path serves whole takes it: every layer's q|k|v and gate|up stacked,
 all four matrices Q4_1 or Q8_0 (`int8dot.INT8_TYPES`) on a CPU with the int8 kernels, a head dim that is a
-multiple of 16 (the attention intrinsics). Anything else keeps the Python loop.
+multiple of 16 (the attention intrinsics). Anything else keeps the Python loop. When the embedding is
+quantized and the output matrix is an int8-path type too (the default model), `decode_step` also takes
+the embedding rows, the first norm and the output matmul: token ids in, logits out, one GIL round trip.
 """
 
 from __future__ import annotations
