@@ -100,7 +100,10 @@ class Backend(Protocol):
     #   swiglu_stacked(gate_up) -> silu(gate) * up of the stacked gate|up projection (T, 2F);
     #   attention_decode_qkv(qkv, n_q_heads, k_pool, v_pool, slots, positions, n_rot, freq_base, neox, scale,
     #                        freq_scale) -> rope_qkv_into_cache then attention_decode_batch for one token per
-    #                        sequence (distinct slots), in one launch: the attention output (B, Hq, hd).
+    #                        sequence (distinct slots), in one launch: the attention output (B, Hq, hd);
+    #   decode_plan(blocks, output_norm, head_dim, tok_embd, output) -> a plan or None, with kernel_pools(pools),
+    #                        decode_layers(plan, ...) and decode_step(plan, ...): a llama decode step's layers
+    #                        (or the whole step, token ids to logits) in one call (cpu: kernels/cpu/decode_layers.py).
 
     def attention(self, q: Array, k_pool: Array, v_pool: Array, slot: int, start_pos: int, scale: float,
                   out: Array | None = None) -> Array:
