@@ -30,24 +30,6 @@ QKV, OUT, GATE_UP, DOWN = 0, 1, 2, 3
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
-def _add_rmsnorm(residual, delta, weight, eps, out):
-    if residual.size >= ops.RMSNORM_PARALLEL_MIN_ELEMENTS:
-        ops._add_rmsnorm_parallel(residual, delta, weight, eps, out)
-    else:
-        ops._add_rmsnorm_serial(residual, delta, weight, eps, out)
-
-
-@numba.njit(cache=True, nogil=True, error_model="numpy")
-def _swiglu_stacked(gate_up):
-    out = np.empty((gate_up.shape[0], gate_up.shape[1] // 2), dtype=np.float32)
-    if out.size >= ops.SWIGLU_PARALLEL_MIN_ELEMENTS:
-        ops._swiglu_stacked_parallel(gate_up, out)
-    else:
-        ops._swiglu_stacked_serial(gate_up, out)
-    return out
-
-
-@numba.njit(cache=True, nogil=True, error_model="numpy")
 def _matmul(qtype, packed, rows, x, flip, n_chunks):
     out = np.empty((x.shape[0], rows), dtype=np.float32)
     int8dot._matmul(qtype, packed, x, out, flip, n_chunks)
@@ -66,11 +48,11 @@ def _layers(x, h, qtypes, rows, flips, w_qkv, w_out, w_gate_up, w_down, ffn_norm
                                          positions, scale, attn)
         o = _matmul(qtypes[li, OUT], w_out[li], rows[li, OUT], attn.reshape(n_seqs, n_q_heads * head_dim),
                     flips[li, OUT], n_chunks)
-        _add_rmsnorm(x, o, ffn_norms[li], eps, h)
-        ff = _swiglu_stacked(_matmul(qtypes[li, GATE_UP], w_gate_up[li], rows[li, GATE_UP], h,
+        ops._add_rmsnorm_rows(x, o, ffn_norms[li], eps, h)
+        ff = ops._swiglu_stacked_rows(_matmul(qtypes[li, GATE_UP], w_gate_up[li], rows[li, GATE_UP], h,
                                      flips[li, GATE_UP], n_chunks))
         d = _matmul(qtypes[li, DOWN], w_down[li], rows[li, DOWN], ff, flips[li, DOWN], n_chunks)
-        _add_rmsnorm(x, d, next_norms[li], eps, h)
+        ops._add_rmsnorm_rows(x, d, next_norms[li], eps, h)
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
@@ -85,10 +67,7 @@ def _step(tokens, embd_qtype, embd_data, first_norm, out_qtype, out_packed, out_
     x = np.empty((tokens.shape[0], first_norm.shape[0]), dtype=np.float32)
     quant._dequant_rows(embd_qtype, embd_data, tokens, x, quant._N16)
     h = np.empty_like(x)
-    if x.size >= ops.RMSNORM_PARALLEL_MIN_ELEMENTS:
-        ops._rmsnorm_parallel(x, first_norm, eps, h)
-    else:
-        ops._rmsnorm_serial(x, first_norm, eps, h)
+    ops._rmsnorm_rows(x, first_norm, eps, h)
     _layers(x, h, qtypes, rows, flips, w_qkv, w_out, w_gate_up, w_down, ffn_norms, next_norms, eps, k_pools, v_pools,
             slots, positions, cos_table, sin_table, scale, n_q_heads, n_chunks)
     return _matmul(out_qtype, out_packed, out_rows, h, out_flip, n_chunks)
@@ -168,16 +147,21 @@ def kernel_pools(pools: list[np.ndarray]) -> Any:
     return views
 
 
+def _rows(k_pools: Any, slots: np.ndarray, positions: np.ndarray, n_rot: int, freq_base: float,
+          freq_scale: float) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """A step's slots and positions as int32, and the rotation's angle tables for them."""
+    ops._check_n_rot(n_rot, k_pools[0].shape[3])
+    slots, positions = np.asarray(slots, dtype=np.int32), np.asarray(positions, dtype=np.int32)
+    return (slots, positions, *ops._angle_tables(positions, n_rot, float(freq_base), float(freq_scale)))
+
+
 def decode_layers(plan: DecodePlan, x: np.ndarray, h: np.ndarray, eps: float, k_pools: Any, v_pools: Any,
                   slots: np.ndarray, positions: np.ndarray, n_q_heads: int, n_rot: int, freq_base: float,
                   freq_scale: float, scale: float, threads: int) -> None:
     """Every layer of a decode step (one token per sequence, distinct slots): x (B, D) the residual stream and
     h (B, D) its first attention norm on entry; on return x is the last layer's residual and h its output
     norm. k_pools / v_pools from `kernel_pools`. Rotation as `ops.rope_qkv_into_cache` with neox False."""
-    head_dim = k_pools[0].shape[3]
-    ops._check_n_rot(n_rot, head_dim)
-    slots, positions = np.asarray(slots, dtype=np.int32), np.asarray(positions, dtype=np.int32)
-    cos_table, sin_table = ops._angle_tables(positions, n_rot, float(freq_base), float(freq_scale))
+    slots, positions, cos_table, sin_table = _rows(k_pools, slots, positions, n_rot, freq_base, freq_scale)
     _layers(x, h, plan.qtypes, plan.rows, plan.flips, plan.w_qkv, plan.w_out, plan.w_gate_up, plan.w_down,
             plan.ffn_norms, plan.next_norms, float(eps), k_pools, v_pools, slots, positions, cos_table,
             sin_table, float(scale), n_q_heads, 4 * threads)
@@ -190,10 +174,7 @@ def decode_step(plan: DecodePlan, tokens: np.ndarray, eps: float, k_pools: Any, 
     the embedding, `decode_layers` and the output matmul give them. Raises IndexError for a token id outside the
     embedding, ValueError for a slot or position outside the caches or two rows on one slot."""
     ends = plan.ends
-    head_dim = k_pools[0].shape[3]
-    ops._check_n_rot(n_rot, head_dim)
-    slots, positions = np.asarray(slots, dtype=np.int32), np.asarray(positions, dtype=np.int32)
-    cos_table, sin_table = ops._angle_tables(positions, n_rot, float(freq_base), float(freq_scale))
+    slots, positions, cos_table, sin_table = _rows(k_pools, slots, positions, n_rot, freq_base, freq_scale)
     return _step(np.ascontiguousarray(tokens, dtype=np.int64), ends.embd_qtype, ends.embd_data, ends.first_norm,
                  ends.out_qtype, ends.out_packed, ends.out_rows, ends.out_flip, plan.qtypes, plan.rows, plan.flips,
                  plan.w_qkv, plan.w_out, plan.w_gate_up, plan.w_down, plan.ffn_norms, plan.next_norms, float(eps),

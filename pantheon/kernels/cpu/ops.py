@@ -196,6 +196,24 @@ def _add_rmsnorm_parallel(residual, delta, weight, eps, out):
         _add_rmsnorm_row(residual, delta, weight, eps, out, t)
 
 
+# The size-to-kernel choice of each wrapper below, compiled, so that other compiled code (the decode step of
+# kernels/cpu/decode_layers.py) takes the very same kernel the wrapper would.
+@_njit
+def _rmsnorm_rows(x, weight, eps, out):
+    if x.size >= RMSNORM_PARALLEL_MIN_ELEMENTS:
+        _rmsnorm_parallel(x, weight, eps, out)
+    else:
+        _rmsnorm_serial(x, weight, eps, out)
+
+
+@_njit
+def _add_rmsnorm_rows(residual, delta, weight, eps, out):
+    if residual.size >= RMSNORM_PARALLEL_MIN_ELEMENTS:
+        _add_rmsnorm_parallel(residual, delta, weight, eps, out)
+    else:
+        _add_rmsnorm_serial(residual, delta, weight, eps, out)
+
+
 def rmsnorm(x: np.ndarray, weight: np.ndarray, eps: float, out: np.ndarray | None = None) -> np.ndarray:
     """Root-mean-square norm of each row: x (T, D), weight (D,) -> x / sqrt(mean(x**2) + eps) * weight.
 
@@ -203,10 +221,7 @@ def rmsnorm(x: np.ndarray, weight: np.ndarray, eps: float, out: np.ndarray | Non
     """
     if out is None:
         out = np.empty_like(x)
-    if x.size >= RMSNORM_PARALLEL_MIN_ELEMENTS:
-        _rmsnorm_parallel(x, weight, eps, out)
-    else:
-        _rmsnorm_serial(x, weight, eps, out)
+    _rmsnorm_rows(x, weight, eps, out)
     return out
 
 
@@ -217,10 +232,7 @@ def add_rmsnorm(
 
     residual, delta, out are (T, D); weight is (D,). One pass over the row instead of two.
     """
-    if residual.size >= RMSNORM_PARALLEL_MIN_ELEMENTS:
-        _add_rmsnorm_parallel(residual, delta, weight, eps, out)
-    else:
-        _add_rmsnorm_serial(residual, delta, weight, eps, out)
+    _add_rmsnorm_rows(residual, delta, weight, eps, out)
 
 
 # --- rope ----------------------------------------------------------------------------------------------
@@ -488,16 +500,22 @@ def _swiglu_stacked_parallel(gate_up, out):
         _swiglu_stacked_row(gate_up, out, t)
 
 
-def swiglu_stacked(gate_up: np.ndarray) -> np.ndarray:
-    """silu(gate) * up from the stacked projection gate|up (T, 2F): (T, F), without splitting it first."""
-    if gate_up.ndim != 2 or gate_up.shape[1] % 2:
-        raise ValueError(f"swiglu_stacked: need (T, 2F), got {gate_up.shape}")
+@_njit
+def _swiglu_stacked_rows(gate_up):
+    """swiglu_stacked's kernel choice, compiled (see `_rmsnorm_rows`)."""
     out = np.empty((gate_up.shape[0], gate_up.shape[1] // 2), dtype=np.float32)
     if out.size >= SWIGLU_PARALLEL_MIN_ELEMENTS:
         _swiglu_stacked_parallel(gate_up, out)
     else:
         _swiglu_stacked_serial(gate_up, out)
     return out
+
+
+def swiglu_stacked(gate_up: np.ndarray) -> np.ndarray:
+    """silu(gate) * up from the stacked projection gate|up (T, 2F): (T, F), without splitting it first."""
+    if gate_up.ndim != 2 or gate_up.shape[1] % 2:
+        raise ValueError(f"swiglu_stacked: need (T, 2F), got {gate_up.shape}")
+    return _swiglu_stacked_rows(gate_up)
 
 
 def swiglu(gate: np.ndarray, up: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -641,6 +659,20 @@ def _finish_rows(out, b, h0, n_heads, row_sum, acc):
 
 
 @_njit
+def _check_decode_rows(n_slots, ctx, slot_ids, positions, distinct_slots):
+    """ValueError for a slot or position outside the caches (and, with distinct_slots, two rows on one slot)."""
+    for b in range(slot_ids.shape[0]):
+        if slot_ids[b] < 0 or slot_ids[b] >= n_slots:
+            raise ValueError("attention_decode_batch: slot id out of range")
+        if positions[b] < 0 or positions[b] >= ctx:
+            raise ValueError("attention_decode_batch: position outside the KV cache")
+        if distinct_slots:
+            for other in range(b):
+                if slot_ids[other] == slot_ids[b]:
+                    raise ValueError("attention_decode_qkv: two sequences on one slot")
+
+
+@_njit
 def _decode_layout(n_seqs, n_q_heads, n_kv_heads, n_slots, ctx, slot_ids, positions, distinct_slots):
     """The work items of a decode attention launch: (sequence, kv head, subgroup of its query heads, run of
     DECODE_SPLIT_KEYS keys). The query heads of a kv head are split into subgroups only when there are fewer
@@ -653,18 +685,11 @@ def _decode_layout(n_seqs, n_q_heads, n_kv_heads, n_slots, ctx, slot_ids, positi
     per_subgroup = (group + n_subgroups - 1) // n_subgroups
     n_subgroups = (group + per_subgroup - 1) // per_subgroup
     per_split = n_kv_heads * n_subgroups
+    _check_decode_rows(n_slots, ctx, slot_ids, positions, distinct_slots)
     first_item = np.empty(n_seqs + 1, dtype=np.int64)
     first_item[0] = 0
     max_splits = 1
     for b in range(n_seqs):
-        if slot_ids[b] < 0 or slot_ids[b] >= n_slots:
-            raise ValueError("attention_decode_batch: slot id out of range")
-        if positions[b] < 0 or positions[b] >= ctx:
-            raise ValueError("attention_decode_batch: position outside the KV cache")
-        if distinct_slots:
-            for other in range(b):
-                if slot_ids[other] == slot_ids[b]:
-                    raise ValueError("attention_decode_qkv: two sequences on one slot")
         n_splits = (positions[b] + DECODE_SPLIT_KEYS) // DECODE_SPLIT_KEYS
         max_splits = max(max_splits, n_splits)
         first_item[b + 1] = first_item[b] + per_split * n_splits
@@ -807,12 +832,7 @@ def _attention_decode_qkv_kernel(qkv, neox, cos_table, sin_table, k_all, v_all, 
 @_njit_parallel
 def _attention_decode_rows_kernel(q, k_all, v_all, slot_ids, positions, scale, out):
     n_seqs, n_q_heads, head_dim = q.shape
-    n_slots, ctx = k_all.shape[0], k_all.shape[1]
-    for b in range(n_seqs):
-        if slot_ids[b] < 0 or slot_ids[b] >= n_slots:
-            raise ValueError("attention_decode_batch: slot id out of range")
-        if positions[b] < 0 or positions[b] >= ctx:
-            raise ValueError("attention_decode_batch: position outside the KV cache")
+    _check_decode_rows(k_all.shape[0], k_all.shape[1], slot_ids, positions, False)
     group = n_q_heads // k_all.shape[2]
     scale32 = np.float32(scale)
     for item in prange(n_seqs * n_q_heads):
