@@ -95,12 +95,13 @@ def _warm_up(model: Any) -> None:
     The repetition detector's and the sampler's compiled helpers too (the detector runs in the event loop,
     where a first compile would stall every stream)."""
     from pantheon.engine.repetition import RepetitionDetector
-    from pantheon.engine.sampling import _sample_top_k, top_k
+    from pantheon.engine.sampling import _nucleus_pick, _sample_top_k, top_k
     from pantheon.models.base import BatchRow
 
     RepetitionDetector().push(0)
     top_k(np.zeros(4, dtype=np.float32), 2)
     _sample_top_k(np.zeros(4, dtype=np.float32), 2, 1.0, 0.9, 0.5)
+    _nucleus_pick(np.full(4, 0.25), 1.0, 0.9, 0.5)
 
     state = model.new_state(2, 48)
     model.forward(state, [BatchRow(0, np.arange(40, dtype=np.int32) % model.vocab_size, 0)])

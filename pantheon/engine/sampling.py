@@ -71,10 +71,18 @@ def _sample_top_k(scores: np.ndarray, k: int, temperature: float, top_p: float, 
     for i in range(n):
         probs[i] = np.exp(np.float64(scores[ids[i]]) / temperature - first)
         total += probs[i]
-    keep = n
+    return ids[_nucleus_pick(probs, total, top_p, uniform)]
+
+
+@numba.njit(cache=True, nogil=True)
+def _nucleus_pick(probs: np.ndarray, total: float, top_p: float, uniform: float) -> int:
+    """The index of the token drawn from weights `probs` (of a distribution summing to `total`; best first when
+    top_p cuts): cut to the fewest leading entries whose share reaches top_p when 0 < top_p < 1, then inverse
+    CDF over the kept ones with one uniform draw in [0, 1) (what Generator.choice(p=...) does)."""
+    keep = probs.size
     if 0.0 < top_p < 1.0:
         cumulative = 0.0
-        for i in range(n):
+        for i in range(probs.size):
             cumulative += probs[i] / total
             if cumulative >= top_p:
                 keep = i + 1
@@ -87,8 +95,8 @@ def _sample_top_k(scores: np.ndarray, k: int, temperature: float, top_p: float, 
     for i in range(keep):
         cumulative += probs[i]
         if cumulative > target:
-            return ids[i]
-    return ids[keep - 1]
+            return i
+    return keep - 1
 
 
 @dataclass
@@ -162,16 +170,8 @@ class Sampler:
             if token < 0:
                 raise ValueError("no token is allowed: every score is -inf")
             return token
-        candidates, probs = self._full_distribution(scores)
-        if 0.0 < p.top_p < 1.0:
-            cumulative = np.cumsum(probs)
-            keep = int(np.searchsorted(cumulative, p.top_p) + 1)
-            candidates, probs = candidates[:keep], probs[:keep]
-            probs = probs / probs.sum()
-        # Inverse CDF with one uniform draw: what Generator.choice(p=...) does, without its checks of p.
-        cdf = np.cumsum(probs)
-        pick = int(np.searchsorted(cdf, self._rng.random() * cdf[-1], side="right"))
-        return int(candidates[min(pick, probs.size - 1)])
+        candidates, probs = self._full_distribution(scores)  # probs are shares of the whole distribution
+        return int(candidates[_nucleus_pick(probs, 1.0, float(p.top_p), self._rng.random())])
 
     def _full_distribution(self, scores: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Without top-k: the softmax over every finite score. With top-p only its best candidates are needed,
