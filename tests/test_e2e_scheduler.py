@@ -544,3 +544,97 @@ async def test_a_job_cancelled_while_its_step_runs_keeps_only_what_came_before()
     assert len(rest) == 1 and isinstance(rest[0], FinishEvent), rest
     assert rest[0].usage.kv_used == 5 and rest[0].usage.completion_tokens == 1, rest[0].usage
     assert model.steps == 2
+
+
+class CountingModel(FakeModel):
+    """FakeModel that counts its forward passes and the decode rows of each."""
+
+    def __init__(self, fail_at: int | None = None) -> None:
+        super().__init__()
+        self.steps = 0
+        self.decode_rows: list[int] = []
+        self.fail_at = fail_at
+
+    def forward(self, state: object, rows: list[Any]) -> np.ndarray:
+        self.steps += 1
+        if self.steps == self.fail_at:
+            raise RuntimeError("a kernel failed")
+        if all(len(r.tokens) == 1 for r in rows):
+            self.decode_rows.append(len(rows))
+        return super().forward(state, rows)
+
+
+def fake_scheduler(model: FakeModel, **limits: int) -> Any:
+    from pantheon.sched import scheduler as scheduler_mod
+
+    served = SimpleNamespace(name="fake", model=model, ctx_cap=4096)
+    return scheduler_mod.Scheduler(served, max_sessions=1, queue_depth=4, **{"max_concurrent": 4, **limits})
+
+
+def fake_job(max_tokens: int) -> Any:
+    from pantheon.engine.sampling import SamplingParams
+    from pantheon.sched.jobs import GenerationJob
+
+    return GenerationJob(prompt=[1, 2, 3, 4, 5], sampling=SamplingParams(temperature=0), max_tokens=max_tokens,
+                         stop_ids=frozenset())
+
+
+async def test_decode_steps_go_on_while_the_event_loop_is_busy() -> None:
+    """Decode steps run back to back on the forward thread: they do not wait for the event loop to plan each
+    one, and they stop exactly where the turn ends (no step computed past max_tokens)."""
+    from pantheon.sched.jobs import FinishEvent, TokenEvent
+
+    model = CountingModel()
+    sched = fake_scheduler(model)
+    events = sched.submit(fake_job(40))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sched.run)
+        with trio.fail_after(10):
+            assert isinstance(await events.receive(), TokenEvent)  # from the prefill step
+            before = model.steps
+            time.sleep(0.1)  # blocks the event loop: no task, the scheduler's included, runs meanwhile
+            during = model.steps - before
+            rest = [event async for event in events]
+        nursery.cancel_scope.cancel()
+    assert during >= 5, during  # 5 ms steps: a loop-driven scheduler would have made at most one
+    tokens = [e for e in rest if isinstance(e, TokenEvent)]
+    assert len(tokens) == 39 and isinstance(rest[-1], FinishEvent) and rest[-1].reason == "length"
+    assert rest[-1].usage.completion_tokens == 40 and rest[-1].usage.kv_used == 5 + 39
+    assert model.steps == 40  # the prefill and 39 decode steps, none wasted
+
+
+async def test_a_run_drops_the_rows_whose_turn_ended_and_goes_on_with_the_rest() -> None:
+    """Two jobs decode together; the shorter one leaves the batch after its last token, the other goes on in
+    the same run of steps; both usages are exact."""
+    from pantheon.sched.jobs import FinishEvent, TokenEvent
+
+    model = CountingModel()
+    sched = fake_scheduler(model)
+    short, long = sched.submit(fake_job(3)), sched.submit(fake_job(12))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sched.run)
+        with trio.fail_after(10):
+            got = {name: [event async for event in channel] for name, channel in (("short", short), ("long", long))}
+        nursery.cancel_scope.cancel()
+    for name, n in (("short", 3), ("long", 12)):
+        events = got[name]
+        assert sum(isinstance(e, TokenEvent) for e in events) == n and isinstance(events[-1], FinishEvent)
+        assert events[-1].usage.completion_tokens == n and events[-1].usage.kv_used == 5 + n - 1
+    assert model.decode_rows == [2, 2] + [1] * 9, model.decode_rows
+
+
+async def test_a_failed_decode_step_fails_its_jobs_and_the_scheduler_goes_on() -> None:
+    from pantheon.sched.jobs import ErrorEvent, FinishEvent, TokenEvent
+
+    model = CountingModel(fail_at=4)  # the third decode step of the first job
+    sched = fake_scheduler(model)
+    events = sched.submit(fake_job(20))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sched.run)
+        with trio.fail_after(10):
+            got = [event async for event in events]
+            assert [type(e) for e in got] == [TokenEvent] * 3 + [ErrorEvent], got
+            assert (got[-1].error.status, got[-1].error.error_type) == (500, "server_error")
+            after = [event async for event in sched.submit(fake_job(4))]
+        nursery.cancel_scope.cancel()
+    assert sum(isinstance(e, TokenEvent) for e in after) == 4 and isinstance(after[-1], FinishEvent)

@@ -69,10 +69,22 @@ class Active:
     closing: bool = False  # past max_tokens, appending a constrained call's closing text
     restore: Any = None  # recurrent models: a checkpoint to reinstall before the first prefill step
     checkpoint: Any = None  # a snapshot taken at the end of this step, to keep on the slot
+    released: bool = False  # the turn is over (steps already running for it count for nothing)
 
     @property
     def prefilling(self) -> bool:
         return self.prompt_done < len(self.job.prompt)
+
+
+@dataclass
+class StepResult:
+    """One step of a decode run, as the forward thread hands it back."""
+
+    rows: list[BatchRow]
+    owners: list[Active]
+    samples: list[SampledToken | None]
+    seconds: float
+    error: Exception | None = None
 
 
 @dataclass
@@ -231,6 +243,9 @@ class Scheduler:
                     await self._wakeup.wait()
                 continue
             rows, owners, prefill = self._plan()
+            if not prefill and self.rewindable:
+                await self._decode_run(rows, owners)
+                continue
             started = time.monotonic()
             try:
                 samples = await self.forward_thread.run(self._execute, rows, owners)
@@ -241,12 +256,79 @@ class Scheduler:
             self.steps_run += 1
             self._note_timing(rows, prefill, time.monotonic() - started)
             self._deliver(rows, owners, samples)
-            # A rewindable model goes straight on to the next step while the consumers send these tokens (on two
-            # cores the handover was ~1 ms of a 10 ms batch-8 step); a job they cancel meanwhile (a stop string)
-            # has that step's token dropped by `_deliver`. A recurrent state cannot drop a fed token, so there
-            # the consumers get their turn first, and a cancel seen before the next step saves it.
+            # A recurrent state cannot drop a fed token: the consumers get their turn before the next step, and a
+            # cancel they make (a stop string) saves it.
             if not self.rewindable:
                 await trio.lowlevel.checkpoint()
+
+    async def _decode_run(self, rows: list[BatchRow], owners: list[Active]) -> None:
+        """Decode steps of a rewindable model, run back to back by the forward thread (`_decode_chain`) for as
+        long as nothing needs a new plan, each step's tokens delivered here while the next one computes.
+
+        Handing every step back to this loop and waiting for it to submit the next one cost ~0.6 ms of a ~4 ms
+        batch-1 step on the 2-core test VM (the wake-up of the event loop, this loop's turn, then the forward
+        thread waiting for the GIL while the consumers sent tokens). A job that ends here while the next step
+        runs (a stop string, repetition, a client gone) has that step's token dropped by `_deliver`: not in
+        its slot's history, so the position it wrote counts for nothing."""
+        made = [len(a.generated) for a in owners]
+        stream = self.forward_thread.stream(self._decode_chain, rows, owners, made)
+        try:
+            while (step := await stream.next()) is not None:
+                if step.error is not None:  # a failed forward fails its jobs, never the scheduler
+                    log.error("forward step failed", exc_info=step.error)
+                    self._fail([a for a in step.owners if not a.released], step.error)
+                    continue
+                self.steps_run += 1
+                self._note_timing(step.rows, False, step.seconds)
+                self._deliver(step.rows, step.owners, step.samples)
+                self._drop_cancelled()
+        finally:
+            await stream.close()
+
+    def _decode_chain(self, emit: Any, stream: Any, rows: list[BatchRow], owners: list[Active],
+                      made: list[int]) -> None:
+        """Forward thread: a decode step, its results emitted, then the next step for the rows that go on
+        (`_next_decode`), until none does or the event loop needs a new plan."""
+        while True:
+            started = time.monotonic()
+            try:
+                samples = self._execute(rows, owners)
+            except Exception as exc:
+                emit(StepResult(rows, owners, [], 0.0, exc))
+                return
+            emit(StepResult(rows, owners, samples, time.monotonic() - started))
+            following = None if stream.stop else self._next_decode(rows, owners, samples, made)
+            if following is None:
+                return
+            rows, owners, made = following
+
+    def _next_decode(self, rows: list[BatchRow], owners: list[Active], samples: list[SampledToken | None],
+                     made: list[int]) -> tuple[list[BatchRow], list[Active], list[int]] | None:
+        """Forward thread: the next decode step's rows, as `_accept` and `_plan` will see them once this step's
+        tokens are delivered, or None when the event loop should plan instead: a queued job can be admitted, a
+        job waits to prefill, another job waits for the forward thread, or a grammar-constrained job needs its
+        controller advanced first. A row is left out when its turn ends with this token (an end token,
+        max_tokens, a full window); `made` counts each job's tokens before this step's. What only the event loop
+        sees (a stop string, a repetition loop, a client gone) is settled there: that row's next token is
+        dropped."""
+        if (self._waiting and len(self._active) < self.max_concurrent) or self.forward_thread.has_queued():
+            return None
+        if any(a.prefilling or a.job.constraint is not None for a in list(self._active)):
+            return None
+        kv_cap = self.kv_cap
+        following: tuple[list[BatchRow], list[Active], list[int]] = ([], [], [])
+        for row, active, sampled, count in zip(rows, owners, samples, made):
+            if sampled is None or active.released or active.job.cancelled or active.job.constraint is not None:
+                continue
+            count += 1
+            position = row.start_pos + 1
+            if (sampled.token_id in active.job.stop_ids or count >= active.job.max_tokens
+                    or position + 1 >= kv_cap):
+                continue
+            following[0].append(BatchRow(row.slot, np.asarray([sampled.token_id], dtype=np.int32), position))
+            following[1].append(active)
+            following[2].append(count)
+        return following if following[0] else None
 
     def _drop_cancelled(self) -> None:
         for active in list(self._active):
@@ -377,9 +459,10 @@ class Scheduler:
         now = time.monotonic()
         model = self.served.name
         for row, active, sampled in zip(rows, owners, samples):
-            if active.job.cancelled and self.rewindable:
-                # Cancelled while the step ran (a stop string, or the client left): the turn ended before these
-                # tokens. They stay out of the slot's history, so the positions they wrote count for nothing.
+            if active.released or (active.job.cancelled and self.rewindable):
+                # The turn ended while the step ran (a stop string, the client left, or its last token came in
+                # the step before): it ended before these tokens. They stay out of the slot's history, so the
+                # positions they wrote count for nothing.
                 continue
             active.slot.tokens.extend(int(t) for t in row.tokens)
             if active.prefilling:
@@ -456,6 +539,7 @@ class Scheduler:
             self._release(active, keep_state=False)  # its state may be half-written
 
     def _release(self, active: Active, *, keep_state: bool = True) -> None:
+        active.released = True
         if active in self._active:
             self._active.remove(active)
             self.sessions.finish(active.slot, keep=keep_state)

@@ -94,7 +94,9 @@ async def restore_session(scheduler: Scheduler, session_id: str, blob: bytes, to
         model.write_slot(scheduler.state, slot.index, arrays, n)
 
     try:
-        await trio.to_thread.run_sync(write)
+        # On the forward thread, between steps: a decode step already running may still write (and drop) a
+        # token for a turn that ended meanwhile, in a slot that `install` may just have picked.
+        await scheduler.forward_thread.run(write)
     except BaseException:
         scheduler.sessions.finish(slot, keep=False)
         raise
