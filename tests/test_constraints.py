@@ -113,38 +113,3 @@ def test_composite_forces_first_and_intersects_masks(lltok, tokenizer) -> None:
         forced.append(f)
     assert forced == close and grammar.completed
     assert isinstance(both.mask(), np.ndarray) or both.mask() is None
-
-
-def test_wind_down_brings_a_rambling_required_call_to_a_well_formed_end(lltok, tokenizer) -> None:
-    from pantheon.chat.structure import VALUE_CLOSERS
-    from pantheon.chat.tools import dialect_for, parse_tools, tool_call_grammar
-
-    tools = parse_tools([{"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
-        "required": ["city", "days"]}}}])
-    dialect = dialect_for("m", "llama", None)
-    matcher = llguidance.LLMatcher(lltok, llguidance.LLMatcher.grammar_from_lark(
-        tool_call_grammar(dialect, tools, mode="required")), log_level=0)
-    c = GrammarController(matcher, vocab_size=tokenizer.vocab_size, eos_id=tokenizer.eos_id,
-                          closers=[tokenizer.encode(t) for t in dialect.closing_texts()],
-                          value_closers=[tokenizer.encode(t) for t in VALUE_CLOSERS],
-                          free_text_probe=tokenizer.encode("</think>"))
-    for t in tokenizer.encode("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis, and then on and on"):
-        c.advance(t)
-    assert c.wind_down()
-    out = []
-    digits = {tokenizer.encode(d)[0] for d in "0123456789"}
-    for _ in range(40):
-        if c.is_finished():
-            break
-        forced = c.forced()
-        if forced is None:  # the "model": the first allowed token, preferring a digit where one fits
-            allowed = np.flatnonzero(c.mask())
-            forced = next((int(t) for t in allowed if t in digits), int(allowed[0]))
-        if forced == tokenizer.eos_id:
-            break
-        c.advance(forced)
-        out.append(forced)
-    text = tokenizer.decode(out)
-    assert text.startswith("\n</parameter>\n<parameter=days>\n") and text.endswith("</function>\n</tool_call>")
-    assert c.completed

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -317,6 +318,37 @@ def test_streamed_prompt_over_window_carries_kv_fields(ctx64_server: ServerProce
     assert str(error["kv_used"]) in plain  # the same numbers the non-streamed message carries
 
 
+def test_a_multi_megabyte_prompt_is_refused_at_once_while_streams_go_on(smollm_server: ServerProcess,
+                                                                        vocab: dict[bytes, int]) -> None:
+    """A prompt whose length alone shows it cannot fit is refused before it is encoded (encoding 8 MB took
+    ~10 s of the event loop, with every stream frozen), and streams being decoded meanwhile keep flowing."""
+    gaps: list[float] = []
+
+    def watch() -> None:
+        body = {**_endless(vocab, 120), "stream": True}
+        with httpx.stream("POST", chat_url(smollm_server), json=body, timeout=TIMEOUT) as r:
+            last = None
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    now = time.monotonic()
+                    if last is not None:
+                        gaps.append(now - last)
+                    last = now
+
+    streamer = threading.Thread(target=watch)
+    streamer.start()
+    while not gaps and streamer.is_alive():
+        time.sleep(0.01)
+    started = time.monotonic()
+    r = post(smollm_server, {"messages": [{"role": "user", "content": "word " * 1_600_000}], "max_tokens": 4})
+    refused_in = time.monotonic() - started
+    streamer.join()
+    error = assert_error(r, 422, "context_over_budget")
+    assert "at least" in error["message"] and "maximum context length is" in error["message"], error
+    assert refused_in < 5.0, refused_in
+    assert len(gaps) > 50 and max(gaps) < 2.0, (len(gaps), max(gaps, default=None))
+
+
 def test_huge_max_tokens_is_accepted_and_decode_stops_at_the_window(ctx64_server: ServerProcess) -> None:
     body = chat(ctx64_server, **{**LONG, "max_tokens": 10**9})
     usage = body["usage"]
@@ -398,6 +430,22 @@ def test_stop_string_cuts_and_is_not_returned(smollm_server: ServerProcess, base
     assert content_of(body) == text[:at]
     assert stop not in content_of(body)
     assert body["choices"][0]["finish_reason"] == "stop"
+
+
+def test_logprobs_stop_before_the_stop_string(smollm_server: ServerProcess, baseline: dict) -> None:
+    """The stop string's tokens are not in logprobs (llama.cpp trims them too): the entries are those of the
+    tokens the returned text starts in, streamed or not."""
+    entries = baseline["choices"][0]["logprobs"]["content"]
+    tokens = [e["token"] for e in entries]
+    stop, at = _spanning_stop(tokens)
+    starts = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    expected = [e["token"] for e, start in zip(entries, starts) if start < at]
+    body = chat(smollm_server, **BASE, stop=stop, logprobs=True)
+    assert [e["token"] for e in body["choices"][0]["logprobs"]["content"]] == expected
+    events = stream_events(smollm_server, {**BASE, "stop": [stop], "logprobs": True})
+    streamed = [e["token"] for chunk in choice_chunks(events) for choice in chunk["choices"]
+                for e in (choice.get("logprobs") or {}).get("content", [])]
+    assert streamed == expected
 
 
 def test_stop_array_first_match_wins(smollm_server: ServerProcess, baseline: dict) -> None:

@@ -604,6 +604,26 @@ def test_watch_holds_a_session_and_releases_it_after_the_grace(default_model_pat
         s.stop()
 
 
+def test_a_watch_ends_when_its_model_is_unloaded(default_model_path: Path, tmp_path: Path) -> None:
+    """The session a watch holds goes with its model: the watch stream says so and ends, instead of hanging."""
+    s = start_server(default_model_path, tmp_path)
+    try:
+        chat(s, req(FRANCE, max_tokens=2, session_id="u"))
+        w = Watch(s, "session_id=u")
+        assert w.status == 200, w.head
+        r = httpx.post(s.base_url + "/admin/models/unload", json={"name": MODEL}, timeout=120)
+        assert r.status_code == 200, r.text
+        w.sock.settimeout(10)
+        rest = b""
+        while chunk := w.sock.recv(65536):  # the server ends the response (and closes): no timeout here
+            rest += chunk
+        w.close()
+        assert b"model unloaded" in rest and rest.endswith(b"0\r\n\r\n"), rest
+        assert httpx.get(s.base_url + "/", timeout=10).status_code == 200  # and the server is fine
+    finally:
+        s.stop()
+
+
 # -- restart with --session-dir ------------------------------------------------------------------------------
 
 def test_sessions_survive_a_restart(default_model_path: Path, tmp_path: Path) -> None:

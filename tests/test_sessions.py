@@ -129,3 +129,27 @@ def test_a_new_session_without_a_free_slot_is_not_left_behind() -> None:
     assert held is not None
     assert t.assign("x", [1, 2]) is None
     assert t.live_sessions() == []
+
+
+def test_resending_an_earlier_prompt_resumes_the_conversation_it_started() -> None:
+    """Turn 1, turn 2, then turn 1's prompt again three times: the first re-send is a new conversation (it
+    stops short of the first conversation's anchor), and every later re-send resumes that one, with no
+    conflict and without evicting the two-turn conversation."""
+    t, clock = table()
+    turn1 = list(range(35))
+    run_turn(t, "s", turn1, [900, 901])
+    clock.now += 1
+    turn2 = turn1 + [900, 901] + list(range(200, 230))
+    a = t.assign("s", turn2, anchor=len(turn2) - 3)
+    assert a is not None and a.cached_tokens == 37
+    a.slot.tokens[:] = turn2 + [5, 6]
+    t.finish(a.slot)
+    main = a.slot
+    for resend in range(3):
+        clock.now += 1
+        b = t.assign("s", turn1, anchor=34)
+        assert b is not None and b.slot is not main and not b.conflict, resend
+        assert b.cached_tokens == (0 if resend == 0 else 34), resend
+        b.slot.tokens[:] = turn1 + [950 + resend]
+        t.finish(b.slot)
+    assert main.tokens == turn2 + [5, 6]  # the two-turn conversation is still there to resume

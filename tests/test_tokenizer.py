@@ -303,3 +303,17 @@ def test_token_ids_are_checked(spm):
         spm.token_bytes(-1)
     with pytest.raises(TokenizerError):
         spm.decode([spm.vocab_size])
+
+
+@pytest.mark.parametrize("which", ["smol", "spm"])
+def test_min_tokens_never_exceeds_the_encoding(which, request):
+    """The length bound that refuses a huge prompt without encoding it is a true lower bound: texts of long
+    runs (the vocabulary's longest tokens), special tokens' texts, and mixed scripts."""
+    tok = request.getfixturevalue(which)
+    longest = max(range(tok.vocab_size), key=lambda i: len(tok.token_bytes(i)))
+    texts = [tok.token_bytes(longest).decode("utf-8", errors="replace") * 5, " " * 300, "-" * 500, "=" * 257,
+             "<|im_start|>user\nhi<|im_end|>" * 20, "héllo wörld 日本語 😀 " * 30, "a", ""]
+    for text in texts:
+        n = len(tok.encode(text, parse_special=True))
+        assert tok.min_tokens(text) <= n, (text[:40], tok.min_tokens(text), n)
+    assert tok.min_tokens("x" * (tok.max_token_bytes * 1000)) == 1000

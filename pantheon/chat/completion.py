@@ -13,7 +13,7 @@ import trio
 
 from pantheon.chat.output import ChoiceOutput, Delta
 from pantheon.chat import structure
-from pantheon.chat.prompt import Prompt, build_prompt
+from pantheon.chat.prompt import Prompt, PromptOverWindow, build_prompt
 from pantheon.chat.structure import Structure
 from pantheon.chat.request import ChatRequest
 from pantheon.config import EnvKnobs
@@ -77,13 +77,30 @@ def _sampling(request: ChatRequest, choice: int) -> SamplingParams:
     )
 
 
-def start_completion(instance: ModelInstance, request: ChatRequest, env: EnvKnobs) -> Completion:
+def _context_error(exc: ApiError, request: ChatRequest) -> ApiError:
+    if not request.stream:
+        exc.extra = {}  # non-streaming: kv_used/kv_cap live in the message text only
+    return exc
+
+
+async def start_completion(instance: ModelInstance, request: ChatRequest, env: EnvKnobs) -> Completion:
     """Build the prompt and submit one job per choice. Errors for the first choice are the request's errors;
     a later choice that cannot be queued is dropped with n_status."""
     served = instance.served
-    dialect, tools = structure.offered_tools(served, request)
-    prompt = build_prompt(served, request, no_think_default=env.no_think, dialect=dialect, tools=tools)
-    plan = structure.plan(served, request, env, dialect, tools, prompt.think_mode)
+    scheduler = instance.scheduler
+
+    def prepare() -> tuple[Prompt, Structure]:
+        dialect, tools = structure.offered_tools(served, request)
+        prompt = build_prompt(served, request, no_think_default=env.no_think, dialect=dialect, tools=tools,
+                              window=scheduler.kv_cap)
+        return prompt, structure.plan(served, request, env, dialect, tools, prompt.think_mode)
+
+    try:
+        # On a worker thread: rendering and encoding an agent's ~8k-token prompt takes ~10 ms, a multi-megabyte
+        # one seconds, and the event loop keeps serving the streams meanwhile (the encoder lets go of the GIL).
+        prompt, plan = await trio.to_thread.run_sync(prepare)
+    except PromptOverWindow as exc:
+        raise _context_error(scheduler.over_window(exc.n_tokens, at_least=True), request) from None
     completion = Completion(instance, request, prompt, structure=plan)
     if request.n_capped:
         completion.n_status = "capped_to_8"
@@ -98,9 +115,7 @@ def start_completion(instance: ModelInstance, request: ChatRequest, env: EnvKnob
             channel = instance.scheduler.submit(job)
         except ApiError as exc:
             if i == 0:
-                if exc.error_type == "context_over_budget" and not request.stream:
-                    exc.extra = {}  # non-streaming: kv_used/kv_cap live in the message text only
-                raise
+                raise _context_error(exc, request) if exc.error_type == "context_over_budget" else exc
             completion.n_status = completion.n_status or "partial_slot_unavailable"
             break
         completion.jobs.append(job)

@@ -34,32 +34,45 @@ class Delta:
 
 
 class StopFilter:
+    """Cuts the text at the first stop string, holding back a tail that could still become one. Positions
+    count characters of the text pushed in: `consumed` taken, `released` given out, and once stopped `cut_at`,
+    where the stop string began."""
+
     def __init__(self, stops: list[str]) -> None:
         self.stops = stops
         self._pending = ""
         self.stopped = False
+        self.consumed = 0
+        self.released = 0
+        self.cut_at: int | None = None
+
+    def _release(self, out: str) -> str:
+        self.released += len(out)
+        return out
 
     def push(self, text: str) -> str:
         if self.stopped:
             return ""
+        self.consumed += len(text)
         self._pending += text
         if not self.stops:
             out, self._pending = self._pending, ""
-            return out
+            return self._release(out)
         cut = min((i for i in (self._pending.find(s) for s in self.stops) if i >= 0), default=-1)
         if cut >= 0:
             out = self._pending[:cut]
             self._pending = ""
             self.stopped = True
-            return out
+            self.cut_at = self.released + cut
+            return self._release(out)
         hold = partial_suffix(self._pending, self.stops)
         out = self._pending[: len(self._pending) - hold]
         self._pending = self._pending[len(self._pending) - hold :]
-        return out
+        return self._release(out)
 
     def flush(self) -> str:
         out, self._pending = ("" if self.stopped else self._pending), ""
-        return out
+        return self._release(out)
 
 
 class ThinkSplitter:
@@ -128,7 +141,10 @@ class ChoiceOutput:
         self._think = ThinkSplitter(think, prompt_opens_think)
         self._tools = tool_parser
         self._want_logprobs = want_logprobs
-        self._pending_logprobs: list[dict[str, Any]] = []
+        # Logprob entries not sent yet, each with where its token's text begins in the stop filter's input: an
+        # entry goes out once text from there on has passed the filter, and the tokens of a stop string never
+        # go out (llama.cpp trims them too).
+        self._pending_logprobs: list[tuple[int, dict[str, Any]]] = []
         self.content = ""
         self.reasoning = ""
         self.logprobs: list[dict[str, Any]] = []
@@ -180,12 +196,17 @@ class ChoiceOutput:
                     error["parameter"] = event.parameter
                 self.tool_call_errors.append(error)
 
-    def _emit(self, delta: Delta) -> Delta:
+    def _emit(self, delta: Delta, final: bool = False) -> Delta:
         self.content += delta.content
         self.reasoning += delta.reasoning
-        if delta.content or delta.reasoning or delta.tool_calls:
-            delta.logprobs = self._pending_logprobs
-            self._pending_logprobs = []
+        if self._stop.cut_at is not None:  # the stop string's tokens: never sent, not in the choice's logprobs
+            self._pending_logprobs = [(start, e) for start, e in self._pending_logprobs if start < self._stop.cut_at]
+        if final or delta.content or delta.reasoning or delta.tool_calls:
+            ready = [e for start, e in self._pending_logprobs if final or start < self._stop.released]
+            if ready:
+                delta.logprobs = ready
+                self.logprobs += ready
+                self._pending_logprobs = self._pending_logprobs[len(ready):]
         return delta
 
     def push(self, sampled: SampledToken) -> Delta:
@@ -193,9 +214,7 @@ class ChoiceOutput:
             return Delta()
         self.completion_tokens += 1
         if self._want_logprobs:
-            entry = self._logprob_entry(sampled)
-            self._pending_logprobs.append(entry)
-            self.logprobs.append(entry)
+            self._pending_logprobs.append((self._stop.consumed, self._logprob_entry(sampled)))
         delta = Delta()
         self._think.push(self._stop.push(self._decoder.push(sampled.token_id)), delta)
         self._route_tools(delta, final=False)
@@ -208,8 +227,4 @@ class ChoiceOutput:
             self._think.push(self._stop.flush(), delta)
         self._think.flush(delta)
         self._route_tools(delta, final=True)
-        delta = self._emit(delta)
-        if self._pending_logprobs:
-            delta.logprobs = self._pending_logprobs
-            self._pending_logprobs = []
-        return delta
+        return self._emit(delta, final=True)

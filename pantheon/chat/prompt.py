@@ -67,8 +67,19 @@ def _ends_in_open_think(text: str) -> bool:
     return text.rfind("<think>") > text.rfind("</think>")
 
 
+class PromptOverWindow(Exception):
+    """The rendered prompt cannot fit the window: it has at least `n_tokens` tokens (found without encoding it,
+    so that a huge request costs no tokenizer time)."""
+
+    def __init__(self, n_tokens: int) -> None:
+        super().__init__(n_tokens)
+        self.n_tokens = n_tokens
+
+
 def build_prompt(served: LoadedModel, request: ChatRequest, *, no_think_default: bool, dialect: Dialect,
-                 tools: list[ToolSpec]) -> Prompt:
+                 tools: list[ToolSpec], window: int | None = None) -> Prompt:
+    """The prompt's text and tokens. With `window`, raises PromptOverWindow before encoding a text whose length
+    alone shows that it has `window` tokens or more."""
     template = served.template
     messages = _template_messages(request.messages, dialect, tools)
     extra: dict[str, Any] = {}
@@ -80,6 +91,8 @@ def build_prompt(served: LoadedModel, request: ChatRequest, *, no_think_default:
     if template.is_think_style and not thinking and not text.rstrip().endswith("</think>"):
         text += CLOSED_THINK  # templates that ignore enable_thinking still get a closed block
     tokenizer = served.tokenizer
+    if window is not None and (at_least := tokenizer.min_tokens(text)) >= window:
+        raise PromptOverWindow(at_least)
     tokens = tokenizer.encode(text, parse_special=True)
     offset = 0
     if tokenizer.add_bos and tokenizer.bos_id is not None and (not tokens or tokens[0] != tokenizer.bos_id):

@@ -25,8 +25,6 @@ from pantheon.errors import ApiError, invalid_request
 
 log = logging.getLogger("pantheon.chat")
 
-# Winding a constrained call down at max_tokens: close an open parameter, JSON value or think block.
-VALUE_CLOSERS = ("\n</parameter>\n", '"', "]", "}", "\n</think>\n\n")
 # Ways to finish an open JSON value (string, array of strings, object ...) before a call's closing text.
 JSON_VALUE_CLOSERS = ('"', "]", '"]', "}", '"}', "]}", '"]}', "}]", '"}]', "\n]", "\n}")
 
@@ -77,9 +75,17 @@ def _tool_grammar(dialect: Dialect, tools: list[ToolSpec], request: ChatRequest,
         raise invalid_request(f"tool_choice names function {named!r}, which is not among the offered tools")
     if not tools or not dialect.grammar_capable or env.tool_grammar is False:
         return None
-    if env.tool_grammar is None:  # default: only "required" is constrained
-        if request.tool_choice != "required":
-            return None
+    if env.tool_grammar is None and request.tool_choice != "required":  # default: only "required" is constrained
+        return None
+    # The arguments' schemas become the grammar: one that is not a JSON schema is the request's error, not a
+    # reason to decode unconstrained.
+    for tool in tools:
+        try:
+            jsonschema.validators.validator_for(tool.parameters).check_schema(tool.parameters)
+        except jsonschema.SchemaError as exc:
+            raise invalid_request(f"tools: function {tool.name!r} parameters are not a valid JSON schema: "
+                                  f"{exc.message}") from None
+    if env.tool_grammar is None:
         return tool_call_grammar(dialect, tools, mode="required", think=think_mode)
     if named is not None:
         return tool_call_grammar(dialect, tools, mode="required", function=named, think=think_mode)
@@ -128,7 +134,7 @@ def plan(served: LoadedModel, request: ChatRequest, env: EnvKnobs, dialect: Dial
     structure = Structure(dialect=dialect, tools=tools)
     structure.grammar = _tool_grammar(dialect, tools, request, env, think_mode)
     if request.response_format is not None:
-        if request.tools:
+        if tools:  # tools offered (not turned off by tool_choice "none") win
             structure.response_format_status = "ignored_tools_present"
         else:
             grammar, structure.response_format_status = _response_format(request, served.lltokenizer, think_mode)
@@ -151,11 +157,8 @@ def grammar_controller(served: LoadedModel, structure: Structure) -> GrammarCont
         return None
     tokenizer = served.tokenizer
     if structure.json_constrained:
-        return GrammarController(matcher, vocab_size=served.model.vocab_size, eos_id=tokenizer.eos_id,
-                                 wind_down=False)
+        return GrammarController(matcher, vocab_size=served.model.vocab_size, eos_id=tokenizer.eos_id)
     texts = structure.dialect.closing_texts()
     return GrammarController(matcher, vocab_size=served.model.vocab_size, eos_id=tokenizer.eos_id,
                              closers=[tokenizer.encode(c) for c in texts],
-                             last_resort_closers=[tokenizer.encode(p + c) for p in JSON_VALUE_CLOSERS for c in texts],
-                             value_closers=[tokenizer.encode(c) for c in VALUE_CLOSERS],
-                             free_text_probe=tokenizer.encode("</think>"))
+                             last_resort_closers=[tokenizer.encode(p + c) for p in JSON_VALUE_CLOSERS for c in texts])

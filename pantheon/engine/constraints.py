@@ -24,24 +24,15 @@ def unpack_bitmask(bitmask: bytes, vocab_size: int) -> np.ndarray:
 
 class GrammarController:
     def __init__(self, matcher: Any, *, vocab_size: int, eos_id: int, closers: Sequence[list[int]] = (),
-                 last_resort_closers: Sequence[list[int]] = (), value_closers: Sequence[list[int]] = (),
-                 free_text_probe: Sequence[int] = (), wind_down: bool = True) -> None:
+                 last_resort_closers: Sequence[list[int]] = ()) -> None:
         self.matcher = matcher
         self.vocab_size = vocab_size
         self.eos_id = eos_id
         # Checked at every step (may the model end here?): the dialect's own closing texts.
         self.closers = [list(c) for c in closers if c]
-        # Also tried when the turn must end (an end token, max_tokens): closers that first finish an open JSON
-        # string/array/object value.
+        # Also tried when the model ends its turn: closers that first finish an open JSON string/array/object
+        # value.
         self.last_resort_closers = [list(c) for c in last_resort_closers if c]
-        # Winding down (max_tokens ran out inside the grammar): close whatever value is open whenever that is
-        # possible, and let the model write what the grammar still requires (e.g. a missing required argument).
-        self.value_closers = [list(c) for c in value_closers if c]
-        # Tokens that free text accepts and nothing else does (e.g. "</think>" inside a think block): a value
-        # closer that leaves them acceptable closed nothing, so it is not used.
-        self.free_text_probe = list(free_text_probe)
-        self.can_wind_down = wind_down  # tool calls yes; response_format JSON keeps max_tokens strictly
-        self._winding = False
         self._forcing: list[int] = []
         self._done = False
         self.appended_closer = False
@@ -56,30 +47,7 @@ class GrammarController:
         return None
 
     def forced(self) -> int | None:
-        if not self._forcing and self._winding and not self.matcher.is_accepting():
-            closer = self._closer_here(last_resort=True)
-            if closer is None:
-                closer = next((c for c in self.value_closers if self._closes_something(c)), None)
-            if closer is not None:
-                self._forcing = list(closer)
         return self._forcing[0] if self._forcing else None
-
-    def _closes_something(self, closer: list[int]) -> bool:
-        if self.matcher.validate_tokens(closer) != len(closer):
-            return False
-        if not self.free_text_probe:
-            return True
-        trial = self.matcher.deep_copy()
-        trial.consume_tokens(closer)
-        return trial.validate_tokens(self.free_text_probe) != len(self.free_text_probe)
-
-    def wind_down(self) -> bool:
-        """max_tokens ran out: steer to the end of the grammar. False when there is nothing to finish."""
-        if not self.can_wind_down or self.matcher.is_accepting() or self.matcher.is_stopped() \
-                or self.matcher.is_error():
-            return False
-        self._winding = True
-        return True
 
     def mask(self) -> np.ndarray | None:
         if self.matcher.is_stopped() or self.matcher.is_error():
@@ -92,7 +60,7 @@ class GrammarController:
     def advance(self, token: int) -> None:
         if self._forcing and token == self._forcing[0]:
             self._forcing.pop(0)
-            if not self._forcing and not self._winding:
+            if not self._forcing:
                 self._done = True  # the closing text after an end token: the turn is over
         if not self.matcher.is_stopped():
             self.matcher.consume_token(token)
@@ -166,9 +134,6 @@ class ReasoningBudget:
     def stop_requested(self, token: int) -> bool:
         return True
 
-    def wind_down(self) -> bool:
-        return False
-
     def is_finished(self) -> bool:
         return False
 
@@ -198,9 +163,6 @@ class Controllers:
 
     def stop_requested(self, token: int) -> bool:
         return all([part.stop_requested(token) for part in self.parts])
-
-    def wind_down(self) -> bool:
-        return any([part.wind_down() for part in self.parts])
 
     def is_finished(self) -> bool:
         return any(part.is_finished() for part in self.parts)

@@ -146,13 +146,15 @@ class SessionTable:
                 return None
             self._open_session(session_id, slot, now)
             return self._take(slot, 0, now)
-        # The owned conversation this prompt continues, if any.
+        # The owned conversation this prompt continues, if any: of those whose history up to the anchor it
+        # repeats, the one it shares the most with (a tie: the most recent), so that re-sending a prompt resumes
+        # the conversation it started rather than whichever slot comes first.
         best, best_len = None, 0
-        for slot in session.slots:
+        for slot in sorted(session.slots, key=lambda s: -s.last_used):
             n = common_prefix(slot.tokens, prompt)
-            if n > best_len:
+            if n > best_len and n >= max(1, min(slot.anchor, len(slot.tokens))):
                 best, best_len = slot, n
-        if best is not None and best_len >= max(1, min(best.anchor, len(best.tokens))):
+        if best is not None:
             if not best.busy:
                 # Keep at least one prompt token to compute: its logits give the first new token.
                 usable = min(best_len, len(prompt) - 1)

@@ -188,7 +188,7 @@ class App:
         if self.state.draining:
             raise ApiError(503, "server_shutting_down", "server is shutting down", headers={"Retry-After": "1"})
         instance = self.state.registry.route_session(request.model, request.session_id)
-        completion = chat_completion.start_completion(instance, request, self.state.env)
+        completion = await chat_completion.start_completion(instance, request, self.state.env)
         try:
             if request.stream:
                 await self._stream(completion, receive, send)

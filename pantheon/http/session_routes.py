@@ -156,10 +156,20 @@ async def watch(registry: Registry, grace_s: float, scope: dict[str, Any], recei
     try:
         await start_sse(send)
         await send({"type": "http.response.body", "body": b": watch established\n\n", "more_body": True})
-        while (await receive())["type"] != "http.disconnect":
-            pass
+        async with trio.open_nursery() as nursery:
+            async def client_gone() -> None:
+                while (await receive())["type"] != "http.disconnect":
+                    pass
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(client_gone)
+            await scheduler.closed.wait()  # the model was unloaded: its sessions are gone, so is the hold
+            nursery.cancel_scope.cancel()
+        if scheduler.closed.is_set():
+            await send({"type": "http.response.body", "body": b": session released: model unloaded\n\n",
+                        "more_body": False})
     finally:
         with trio.CancelScope(shield=True):
-            if table.unhold(session_id) == 0:
+            if table.unhold(session_id) == 0 and not scheduler.closed.is_set():
                 table.touch(session_id)
                 scheduler.start_watch_grace(session_id, grace_s)

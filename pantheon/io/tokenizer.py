@@ -224,6 +224,9 @@ class Tokenizer:
         self._special = [(texts[i], i, bool(attrs[i] & _A_HIDDEN)) for i in special]
 
         self._token_bytes = self._build_token_bytes(attrs)
+        # The most bytes of text one token can stand for (its bytes, or its spelling: a control token's text, a
+        # SentencePiece piece), so that `min_tokens` bounds a text's count without encoding it.
+        self.max_token_bytes = max(1, *(max(len(b), len(t.encode("utf-8"))) for b, t in zip(self._token_bytes, texts)))
         self._hf: HFTokenizer | None = None  # byte-level BPE only; SentencePiece encoding is in Python
         self._hf_json: str | None = None
         if model == "gpt2":
@@ -436,11 +439,11 @@ class Tokenizer:
             return out
         fragments = self._partition(text, parse_special)
         if self._hf is not None:
+            # encode_batch, unlike encode, lets go of the GIL while it works: a long prompt encoded on a worker
+            # thread does not stall the event loop.
+            pieces = iter(self._hf.encode_batch([f for f in fragments if isinstance(f, str)], add_special_tokens=False))
             for frag in fragments:
-                if isinstance(frag, int):
-                    out.append(frag)
-                else:
-                    out.extend(self._hf.encode(frag, add_special_tokens=False).ids)
+                out.extend([frag] if isinstance(frag, int) else next(pieces).ids)
             return out
         prev_special = True  # llama.cpp prefixes a space at the start and after every special token
         for frag in fragments:
@@ -453,6 +456,11 @@ class Tokenizer:
                 self._spm_tokenize(frag.replace(" ", "▁"), out)
                 prev_special = False
         return out
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on len(encode(text)) from the text's length alone: no token covers more than
+        max_token_bytes bytes of it."""
+        return -(-len(text.encode("utf-8", errors="surrogatepass")) // self.max_token_bytes)
 
     def _partition(self, text: str, parse_special: bool) -> list[str | int]:
         """Split out special tokens the way llama.cpp does: each token in turn, longest first."""

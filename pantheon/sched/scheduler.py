@@ -42,8 +42,6 @@ from pantheon.sched.jobs import ErrorEvent, Event, FinishEvent, GenerationJob, T
 log = logging.getLogger("pantheon.sched")
 
 QUEUE_TIMEOUT_S = 30.0
-# Tokens past max_tokens a grammar-constrained call may take to reach a well-formed end.
-WIND_DOWN_TOKENS = 64
 # Recurrent models: snapshots kept per slot (the end of the history and of the prompt, for the last turns).
 MAX_CHECKPOINTS = 4
 PREFILL_CHUNK = 256
@@ -66,7 +64,6 @@ class Active:
     repetition: RepetitionDetector = field(default_factory=RepetitionDetector)
     submitted_at: float = 0.0
     last_token_at: float | None = None
-    closing: bool = False  # past max_tokens, appending a constrained call's closing text
     restore: Any = None  # recurrent models: a checkpoint to reinstall before the first prefill step
     checkpoint: Any = None  # a snapshot taken at the end of this step, to keep on the slot
     released: bool = False  # the turn is over (steps already running for it count for nothing)
@@ -128,6 +125,7 @@ class Scheduler:
         self.decode_step_s: float | None = None
         self._nursery: trio.Nursery | None = None
         self.steps_run = 0
+        self.closed = trio.Event()  # set when the instance is unloaded: its sessions are gone
 
     # -- capacity ------------------------------------------------------------------------------------------
     @property
@@ -149,6 +147,7 @@ class Scheduler:
     def release_state(self) -> None:
         """Drop the sequence state (the instance was unloaded)."""
         self.state = None
+        self.closed.set()
         if self._owns_forward_thread:
             self.forward_thread.close()
 
@@ -178,15 +177,20 @@ class Scheduler:
     def watch_nursery(self) -> trio.Nursery | None:
         return self._nursery
 
+    def over_window(self, n_tokens: int, *, at_least: bool = False) -> ApiError:
+        """422 context_over_budget for a prompt of n_tokens (or at least that many) tokens."""
+        size = f"at least {n_tokens}" if at_least else f"{n_tokens}"
+        return ApiError(422, "context_over_budget",
+                        f"prompt is {size} tokens but the context window is {self.kv_cap} tokens "
+                        f"(kv_used={n_tokens}, kv_cap={self.kv_cap}); this model's maximum context "
+                        f"length is {self.kv_cap} tokens",
+                        extra={"kv_used": n_tokens, "kv_cap": self.kv_cap})
+
     # -- admission (event loop) ----------------------------------------------------------------------------
     def submit(self, job: GenerationJob) -> trio.MemoryReceiveChannel[Event]:
         """Queue a job; returns its event channel. Raises ApiError when it cannot be accepted."""
         if len(job.prompt) >= self.kv_cap:
-            raise ApiError(422, "context_over_budget",
-                           f"prompt is {len(job.prompt)} tokens but the context window is {self.kv_cap} tokens "
-                           f"(kv_used={len(job.prompt)}, kv_cap={self.kv_cap}); this model's maximum context "
-                           f"length is {self.kv_cap} tokens",
-                           extra={"kv_used": len(job.prompt), "kv_cap": self.kv_cap})
+            raise self.over_window(len(job.prompt))
         self.sessions.check_capacity(job.session_key, self.reprefill_estimate_s(len(job.prompt)))
         busy = len(self._active) + len(self._waiting)
         if busy >= self.max_concurrent:
@@ -511,15 +515,9 @@ class Scheduler:
             self._finish(active, "stop")
         elif len(active.slot.tokens) + 1 >= self.kv_cap:
             self._finish(active, "length")
-        elif len(active.generated) >= active.job.max_tokens + (WIND_DOWN_TOKENS if active.closing else 0):
-            # Out of budget inside a constrained call: steer it to a well-formed end (closing the open value,
-            # letting the model write what is still required) for at most WIND_DOWN_TOKENS more tokens,
-            # rather than return a broken call.
-            if not active.closing and controller is not None and controller.wind_down():
-                active.closing = True
-                active.pending = token
-            else:
-                self._finish(active, "length")
+        elif len(active.generated) >= active.job.max_tokens:
+            # A hard cap, constrained or not: a call cut short is reported (tool_call_error), not completed.
+            self._finish(active, "length")
         else:
             active.pending = token
 

@@ -9,6 +9,7 @@ start, argument fragments, call end, call error), keeping only the text it has n
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -32,6 +33,11 @@ class ToolSpec:
         return None
 
 
+# OpenAI's rule for function names (letters, digits, "_", "-"), plus "." and ":" that namespaced (MCP) tools
+# use. Anything else could not round-trip through a dialect's call syntax (`<function=a<b>` ends at the "<").
+TOOL_NAME = re.compile(r"[A-Za-z0-9_.:-]+")
+
+
 def parse_tools(raw: list) -> list[ToolSpec]:
     """OpenAI tool definitions -> ToolSpecs. Raises a 400 ApiError on a malformed definition."""
     if not isinstance(raw, list):
@@ -47,6 +53,9 @@ def parse_tools(raw: list) -> list[ToolSpec]:
         name = fn.get("name")
         if not isinstance(name, str) or not name.strip():
             raise invalid_request(f"tools[{i}].function.name must be a non-empty string")
+        if not TOOL_NAME.fullmatch(name):
+            raise invalid_request(f"tools[{i}].function.name {name!r} may only contain letters, digits, "
+                                  "'_', '-', '.' and ':'")
         if name in seen:
             raise invalid_request(f"tools[{i}]: function {name!r} is defined twice")
         seen.add(name)
