@@ -152,6 +152,25 @@ def test_second_turn_reuses_the_first_and_equals_cold(server: ServerProcess, col
     assert release(server, {"session_id": sid}).status_code == 200
 
 
+def test_resending_turn_one_starts_from_a_copy_and_keeps_both_conversations(server: ServerProcess,
+                                                                             cold: dict[str, Any]) -> None:
+    """Turn 1, turn 2, then turn 1 again under the same id: the re-send is a second conversation that starts
+    from a copy of the prefix it shares with the first (cached, and the same greedy answer as cold), later
+    re-sends resume it, and turn 2 still resumes the first conversation."""
+    sid = new_id()
+    first = chat(server, req(FRANCE, session_id=sid))
+    second = chat(server, req(cold["second_messages"], session_id=sid))
+    for _ in range(2):
+        again = chat(server, req(FRANCE, session_id=sid))
+        assert content_of(again) == content_of(cold["first"])
+        assert cached_of(again) == first["usage"]["prompt_tokens"] - 1, again["usage"]  # all but one token
+        assert "session_conflict" not in again["usage"]
+    resumed = chat(server, req(cold["second_messages"], session_id=sid))
+    assert cached_of(resumed) == second["usage"]["prompt_tokens"] - 1, resumed["usage"]
+    assert content_of(resumed) == content_of(cold["second"])
+    assert release(server, {"session_id": sid}).status_code == 200
+
+
 KEYS = ["session_id", "prompt_cache_key", "promptCacheKey", "header"]
 
 

@@ -153,3 +153,31 @@ def test_resending_an_earlier_prompt_resumes_the_conversation_it_started() -> No
         b.slot.tokens[:] = turn1 + [950 + resend]
         t.finish(b.slot)
     assert main.tokens == turn2 + [5, 6]  # the two-turn conversation is still there to resume
+
+
+def test_a_second_conversation_starts_from_a_copy_of_what_it_shares() -> None:
+    """With prefix copies (attention models), re-sending turn 1 after turn 2 starts the second conversation from
+    a copy of the prefix the first one holds; the first stays whole. A third conversation evicts one (and is
+    flagged), so it starts cold."""
+    t, clock = table(copy_prefixes=True)
+    turn1 = list(range(35))
+    run_turn(t, "s", turn1, [900, 901])
+    clock.now += 1
+    turn2 = turn1 + [900, 901] + list(range(200, 230))
+    a = t.assign("s", turn2, anchor=len(turn2) - 3)
+    a.slot.tokens[:] = turn2 + [5]
+    t.finish(a.slot)
+    clock.now += 1
+    b = t.assign("s", turn1, anchor=34)
+    assert b is not None and b.slot is not a.slot and not b.conflict
+    assert b.cached_tokens == 34 and b.copy_from == (a.slot.index, 34) and b.slot.tokens == turn1[:34]
+    b.slot.tokens[:] = turn1 + [7]
+    t.finish(b.slot)
+    assert a.slot.tokens == turn2 + [5]
+    clock.now += 1
+    c = t.assign("s", list(range(35)) + [1, 2, 3], anchor=30)  # continues b's conversation
+    assert c is not None and c.slot is b.slot and c.copy_from is None
+    t.finish(c.slot)
+    clock.now += 1
+    d = t.assign("s", [99] * 10)  # a third conversation: evicts the least recent, cold
+    assert d is not None and d.conflict and d.cached_tokens == 0 and d.copy_from is None

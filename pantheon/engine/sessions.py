@@ -67,6 +67,7 @@ class Assignment:
     cached_tokens: int
     conflict: bool = False
     restore: Any = None  # a checkpoint to reinstall before prefilling (recurrent models)
+    copy_from: tuple[int, int] | None = None  # (slot index, n): copy that slot's first n positions first
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -83,11 +84,14 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 class SessionTable:
     def __init__(self, *, n_slots: int, max_sessions: int, conversations_per_session: int = 2,
                  idle_ttl_s: float = 12 * 3600.0, clock: Callable[[], float] = time.monotonic,
-                 rewindable: bool = True) -> None:
+                 rewindable: bool = True, copy_prefixes: bool = False) -> None:
         self.slots = [SlotInfo(i) for i in range(n_slots)]
         # A rewindable state (attention KV) resumes from any prefix; a recurrent one only from the slot's
         # current end or from a checkpoint.
         self.rewindable = rewindable
+        # A new conversation under an id may start from a copy of the prefix it shares with a sibling (the model
+        # can copy a slot's first positions into another).
+        self.copy_prefixes = copy_prefixes
         self.max_sessions = max_sessions
         self.conversations_per_session = conversations_per_session
         self.idle_ttl_s = idle_ttl_s
@@ -178,7 +182,17 @@ class SessionTable:
             return None
         slot, evicted = got
         session.last_used = now
-        return self._take(slot, 0, now, conflict or evicted)
+        if conflict or evicted or not self.copy_prefixes:
+            return self._take(slot, 0, now, conflict or evicted)
+        # A second conversation: it starts from a copy of what it shares with the first (re-sending turn 1 after
+        # turn 2, an edited earlier message), which keeps the first conversation whole.
+        shared = [(common_prefix(s.tokens, prompt), s) for s in session.slots if s is not slot]
+        n, source = max(shared, key=lambda pair: pair[0], default=(0, None))
+        usable = min(n, len(prompt) - 1)
+        if source is None or usable <= 0:
+            return self._take(slot, 0, now)
+        slot.tokens[:] = prompt[:usable]
+        return self._take(slot, usable, now, copy_from=(source.index, usable))
 
     def _conversation_slot(self, session: Session) -> tuple[SlotInfo, bool] | None:
         """An emptied slot for a new conversation of `session`: a free one while it has fewer than
@@ -207,10 +221,10 @@ class SessionTable:
         return session
 
     def _take(self, slot: SlotInfo, cached: int, now: float, conflict: bool = False,
-              restore: Any = None) -> Assignment:
+              restore: Any = None, copy_from: tuple[int, int] | None = None) -> Assignment:
         slot.busy = True
         slot.last_used = now
-        return Assignment(slot, cached, conflict, restore)
+        return Assignment(slot, cached, conflict, restore, copy_from)
 
     def finish(self, slot: SlotInfo, *, keep: bool = True) -> None:
         """The turn on `slot` ended. Session slots keep their tokens (the cache); `keep=False` (a failed

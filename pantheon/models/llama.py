@@ -204,6 +204,17 @@ class LlamaModel:
             state.k[li][slot, :n_tokens] = by_name[f"k{li}"]
             state.v[li][slot, :n_tokens] = by_name[f"v{li}"]
 
+    @property
+    def supports_prefix_copy(self) -> bool:
+        """Whether `copy_prefix` is available (the backend copies KV rows between slots)."""
+        return hasattr(self.backend, "copy_kv_rows")
+
+    def copy_prefix(self, state: KVState, src: int, n_tokens: int, dst: int) -> None:
+        """Slot dst's first n_tokens positions become slot src's (a new conversation starting from what it shares
+        with another one)."""
+        for pool in (*state.k, *state.v):
+            self.backend.copy_kv_rows(pool, src, dst, n_tokens)
+
     def state_bytes(self, n_slots: int, ctx_cap: int) -> int:
         """Memory of new_state(n_slots, ctx_cap) once every slot is full."""
         return n_slots * ctx_cap * self.kv_bytes_per_token()

@@ -65,6 +65,7 @@ class Active:
     submitted_at: float = 0.0
     last_token_at: float | None = None
     restore: Any = None  # recurrent models: a checkpoint to reinstall before the first prefill step
+    copy_from: tuple[int, int] | None = None  # (slot, n): that slot's first n positions, copied in first
     checkpoint: Any = None  # a snapshot taken at the end of this step, to keep on the slot
     released: bool = False  # the turn is over (steps already running for it count for nothing)
 
@@ -115,7 +116,8 @@ class Scheduler:
         # Recurrent (SSM) state cannot be rewound to a shorter prefix: such models resume from checkpoints.
         self.rewindable = getattr(served.model, "supports_prefix_rewind", True)
         self.sessions = SessionTable(n_slots=n_slots, max_sessions=max_sessions, idle_ttl_s=idle_ttl_s,
-                                     rewindable=self.rewindable)
+                                     rewindable=self.rewindable,
+                                     copy_prefixes=getattr(served.model, "supports_prefix_copy", False))
         self.state = served.model.new_state(n_slots, served.ctx_cap)
         self._waiting: deque[Waiting] = deque()
         self._active: list[Active] = []
@@ -373,7 +375,8 @@ class Scheduler:
             self._active.append(Active(job=job, events=waiting.events, slot=assignment.slot,
                                        sampler=Sampler(job.sampling, self.served.model.vocab_size),
                                        prompt_done=cached, cached_tokens=cached, conflict=assignment.conflict,
-                                       submitted_at=waiting.enqueued_at, restore=assignment.restore))
+                                       submitted_at=waiting.enqueued_at, restore=assignment.restore,
+                                       copy_from=assignment.copy_from))
             if cached:
                 self.metrics.inc("pantheon_tokens_cached_total", cached, model=self.served.name)
 
@@ -425,6 +428,11 @@ class Scheduler:
             if active.restore is not None:
                 model.restore_slot(self.state, row.slot, active.restore)
                 active.restore = None
+            if active.copy_from is not None:
+                # Before this step writes anything: the source's first n positions do not change meanwhile (its
+                # own turns write past them, and a turn that rewinds it is admitted after this one).
+                model.copy_prefix(self.state, *active.copy_from, row.slot)
+                active.copy_from = None
         logits = model.forward(self.state, rows)
         if not self.rewindable:
             for row, active in zip(rows, owners):

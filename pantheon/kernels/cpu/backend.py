@@ -101,6 +101,11 @@ class CpuBackend:
         return np.frombuffer(buf, dtype=dtype).reshape(shape).transpose(0, 2, 1, 3)
 
     @staticmethod
+    def copy_kv_rows(pool: np.ndarray, src: int, dst: int, n: int) -> None:
+        """pool[dst, :n] = pool[src, :n] (a slot's first n positions into another slot)."""
+        pool[dst, :n] = pool[src, :n]
+
+    @staticmethod
     def upload(host: np.ndarray) -> np.ndarray:
         return host
 
