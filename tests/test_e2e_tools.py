@@ -182,6 +182,15 @@ def test_a_required_call_with_an_invalid_parameter_schema_is_400(smollm_server: 
     assert httpx.post(url, timeout=60, json=body).status_code == 200
 
 
+@pytest.mark.parametrize("tools", [None, []])
+def test_required_without_tools_is_400(smollm_server: ServerProcess, tools: list | None) -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required", "max_tokens": 4}
+    if tools is not None:
+        body["tools"] = tools
+    r = httpx.post(smollm_server.base_url + "/v1/chat/completions", timeout=60, json=body)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
+
+
 def test_response_format_applies_when_tool_choice_none_turns_the_tools_off(smollm_server: ServerProcess) -> None:
     body = chat(smollm_server, messages=[{"role": "user", "content": "Give me some data."}], tools=TOOLS,
                 tool_choice="none", response_format={"type": "json_object"}, temperature=0, max_tokens=200)

@@ -71,6 +71,8 @@ def _named_function(tool_choice: Any) -> str | None:
 def _tool_grammar(dialect: Dialect, tools: list[ToolSpec], request: ChatRequest, env: EnvKnobs,
                   think_mode: str) -> str | None:
     named = _named_function(request.tool_choice)
+    if request.tool_choice == "required" and not tools:
+        raise invalid_request("tool_choice \"required\" needs at least one tool in 'tools'")
     if named is not None and named not in {t.name for t in tools}:
         raise invalid_request(f"tool_choice names function {named!r}, which is not among the offered tools")
     if not tools or not dialect.grammar_capable or env.tool_grammar is False:
