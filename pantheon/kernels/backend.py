@@ -56,6 +56,10 @@ class Backend(Protocol):
         """One layer's K or V cache for every slot, zeroed, indexed [slot, position, kv head, :] (its storage
         order is the backend's choice)."""
 
+    def copy_kv_rows(self, pool: Array, src: int, dst: int, n: int) -> None:
+        """pool[dst, :n] = pool[src, :n]: a slot's first n positions into another slot (a new conversation that
+        starts from the prefix it shares with one its session holds)."""
+
     def upload(self, host: np.ndarray) -> Array:
         """A host array (token ids, positions, slot ids) as a backend array."""
 

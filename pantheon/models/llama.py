@@ -204,10 +204,8 @@ class LlamaModel:
             state.k[li][slot, :n_tokens] = by_name[f"k{li}"]
             state.v[li][slot, :n_tokens] = by_name[f"v{li}"]
 
-    @property
-    def supports_prefix_copy(self) -> bool:
-        """Whether `copy_prefix` is available (the backend copies KV rows between slots)."""
-        return hasattr(self.backend, "copy_kv_rows")
+    # A slot's first positions can be copied into another (`copy_prefix`): a recurrent model's state cannot.
+    supports_prefix_copy = True
 
     def copy_prefix(self, state: KVState, src: int, n_tokens: int, dst: int) -> None:
         """Slot dst's first n_tokens positions become slot src's (a new conversation starting from what it shares

@@ -128,3 +128,19 @@ def test_device_out_of_memory_is_a_memory_error(backends, monkeypatch):
     monkeypatch.setattr(backend_module.cuda, "device_array", failing)
     with pytest.raises(MemoryError):
         cuda_be.zeros((1 << 20,))
+
+
+def test_copy_kv_rows_copies_a_slots_prefix_like_the_cpu_backend(backends):
+    cuda_be, cpu_be = backends
+    rng = np.random.default_rng(3)
+    host = rng.standard_normal((3, 10, 2, 16)).astype(np.float32)
+    cpu_pool = cpu_be.kv_pool(3, 10, 2, 16, np.float32)
+    cpu_pool[...] = host
+    cuda_pool = cuda_be.upload(host)
+    for be, pool in ((cpu_be, cpu_pool), (cuda_be, cuda_pool)):
+        be.copy_kv_rows(pool, 2, 0, 6)
+        be.copy_kv_rows(pool, 0, 1, 0)  # nothing to copy
+    expected = host.copy()
+    expected[0, :6] = host[2, :6]
+    np.testing.assert_array_equal(np.asarray(cpu_pool), expected)
+    np.testing.assert_array_equal(cuda_be.to_host(cuda_pool), expected)

@@ -168,6 +168,11 @@ class CudaBackend:
         with _out_of_memory_is_memory_error(f"array {tuple(shape)}"):
             return cuda.device_array(shape, dtype=dtype, stream=self.stream)
 
+    def copy_kv_rows(self, pool: Any, src: int, dst: int, n: int) -> None:
+        """pool[dst, :n] = pool[src, :n], device to device (both runs are contiguous: (S, ctx, H, hd) pools)."""
+        if n > 0:
+            pool[dst, :n].copy_to_device(pool[src, :n], stream=self.stream)
+
     def upload(self, host: np.ndarray) -> Any:
         return cuda.to_device(np.ascontiguousarray(host), stream=self.stream)
 
