@@ -81,11 +81,18 @@ def test_required_returns_one_well_formed_call(smollm_server: ServerProcess, pro
 def test_max_tokens_is_a_hard_cap_on_a_required_call(smollm_server: ServerProcess, max_tokens: int) -> None:
     """A constrained call cut short by max_tokens ends there with "length", as llama.cpp and vLLM do: the
     unfinished call is not returned as a call."""
-    body = chat(smollm_server, messages=[{"role": "user", "content": PROMPTS[0]}], tools=TOOLS,
-                tool_choice="required", temperature=0, max_tokens=max_tokens)
+    request = dict(messages=[{"role": "user", "content": PROMPTS[0]}], tools=TOOLS, tool_choice="required",
+                   temperature=0, max_tokens=max_tokens)
+    body = chat(smollm_server, **request)
     choice = body["choices"][0]
     assert body["usage"]["completion_tokens"] == max_tokens, body["usage"]
     assert choice["finish_reason"] == "length" and "tool_calls" not in choice["message"], choice
+    # Even cut inside the opener ("<tool"), what the grammar forced is a call, not answer text.
+    assert not choice["message"]["content"] and choice["tool_call_error"]["code"] == "unfinished_tool_call", choice
+    r = httpx.post(smollm_server.base_url + "/v1/chat/completions", json={**request, "stream": True}, timeout=300)
+    chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    assert not "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]), r.text
+    assert chunks[-1]["choices"][0]["tool_call_error"]["code"] == "unfinished_tool_call", chunks[-1]
 
 
 def test_streamed_call_deltas_concatenate_to_the_call(smollm_server: ServerProcess) -> None:

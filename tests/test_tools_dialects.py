@@ -282,6 +282,22 @@ def test_text_streams_while_it_arrives() -> None:
     assert parser.feed("s> are") == [TextDelta(" <tools> are")]
 
 
+@pytest.mark.parametrize("dialect", ["qwen_xml", "minicpm_xml"])
+@pytest.mark.parametrize("cut", [1, 5])
+def test_a_forced_call_cut_inside_its_opener_is_an_unfinished_call(dialect: str, cut: int) -> None:
+    """Prose may end in "<tool" (it stays text, above); a turn whose grammar compels a call may not: the end of
+    the output inside the opener is an unfinished call."""
+    d = DIALECTS[dialect]
+    opener = d.call_openers()[0]
+    for forced, text_expected in ((False, True), (True, False)):
+        parser = d.parser(TOOLS)
+        parser.call_forced = forced
+        events = parser.feed(opener[:cut]) + parser.finish()
+        texts = [e.text for e in events if isinstance(e, TextDelta)]
+        errors = [e.code for e in events if isinstance(e, CallError)]
+        assert (texts, errors) == (([opener[:cut]], []) if text_expected else ([], ["unfinished_tool_call"])), events
+
+
 CLOSABLE = {
     "qwen_xml": ["<tool_call>\n<function=read>\n", "<tool_call>\n<function=read>\n<parameter=path>\nabc",
                  "<tool_call>\n<function=read>\n<parameter=path>\nabc\n</parameter>\n",

@@ -145,6 +145,8 @@ def _new_output(completion: Completion) -> ChoiceOutput:
     r = completion.request
     plan = completion.structure
     parser = plan.dialect.parser(plan.tools) if plan is not None and plan.tools else None
+    if parser is not None:
+        parser.call_forced = plan.call_forced
     return ChoiceOutput(completion.instance.served.tokenizer, stops=r.stop, think=completion.prompt.think,
                         prompt_opens_think=completion.prompt.opens_think, want_logprobs=r.logprobs,
                         tool_parser=parser)

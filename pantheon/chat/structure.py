@@ -36,6 +36,7 @@ class Structure:
     grammar: str | None = None
     response_format_status: str | None = None
     json_constrained: bool = False  # a response_format JSON grammar is armed (for "not_enforced")
+    call_forced: bool = False  # a tool-call grammar compels a call ("required" or a named function)
 
 
 def model_dialect(served: LoadedModel) -> Dialect:
@@ -135,6 +136,8 @@ def plan(served: LoadedModel, request: ChatRequest, env: EnvKnobs, dialect: Dial
          think_mode: str) -> Structure:
     structure = Structure(dialect=dialect, tools=tools)
     structure.grammar = _tool_grammar(dialect, tools, request, env, think_mode)
+    structure.call_forced = structure.grammar is not None and (
+        request.tool_choice == "required" or isinstance(request.tool_choice, dict))
     if request.response_format is not None:
         if tools:  # tools offered (not turned off by tool_choice "none") win
             structure.response_format_status = "ignored_tools_present"

@@ -166,6 +166,9 @@ class ToolCallParser(ABC):
         self._events: list[Event] = []
         self._held_ws = ""
         self._after_call = False
+        # Set when the turn's grammar compels a call ("required", a named function): text that ends inside a
+        # call opener is then an unfinished call, not prose that mentions markup.
+        self.call_forced = False
         self._next_index = 0
         # The call being parsed: its index (once CallStart went out), name and streamed arguments so far.
         self._index: int | None = None

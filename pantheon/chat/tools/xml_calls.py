@@ -27,6 +27,14 @@ class XmlCallParser(StateParser):
         hit = find_first(self._buf, self._TEXT_MARKERS)
         if hit is None:
             keep = 0 if final else partial_suffix(self._buf, self._TEXT_MARKERS)
+            opener = partial_suffix(self._buf, tuple(self._OPENERS)) if final and self.call_forced else 0
+            if opener:
+                # A forced call (its grammar allows nothing else) cut short inside its opener ("<tool_ca" at
+                # max_tokens): the start of a call, not answer text.
+                self._text(self._consume(len(self._buf) - opener))
+                self._consume(opener)
+                self._fail("unfinished_tool_call", "the output ended inside a tool call opener")
+                return False
             if len(self._buf) > keep:
                 self._text(self._consume(len(self._buf) - keep))
             return False
