@@ -580,7 +580,12 @@ def test_metrics_parse_and_counters_move(main_clean: ServerProcess) -> None:
     assert_error(chat(main_clean, {**HELLO, "model": "nope"}), 404, "model_not_found")
     assert_error(request(main_clean, "POST", "/v1/chat/completions", content=b"{"), 400, "invalid_request_error")
     assert_error(unload(main_clean, {"name": "nope"}), 404, "unload_failed")
+    for i in range(3):  # made-up paths and methods add no series of their own
+        request(main_clean, "OPTIONS", f"/made-up-{i}")
+        request(main_clean, f"BREW{i}", "/")
     after, _ = scrape(main_clean)
+    values = {value for _, labels in after for _, value in labels}
+    assert not any("made-up" in v or "BREW" in v for v in values), values
 
     def delta(name: str, **labels: str) -> float:
         return sample(after, name, **labels) - sample(before, name, **labels)
@@ -591,6 +596,8 @@ def test_metrics_parse_and_counters_move(main_clean: ServerProcess) -> None:
     assert delta("pantheon_requests_total", **chat_route, status="400") == 1
     assert delta("pantheon_requests_total", route="/admin/models/unload", method="POST", status="404") == 1
     assert delta("pantheon_requests_total", route="/metrics", method="GET", status="200") >= 1
+    assert delta("pantheon_requests_total", route="unknown", method="OPTIONS", status="200") == 3
+    assert delta("pantheon_requests_total", route="unknown", method="other", status="404") == 3
     for model, usage in (("a", plain["usage"]), ("b", streamed["usage"])):
         assert delta("pantheon_tokens_decoded_total", model=model) == usage["completion_tokens"], model
         computed = usage["prompt_tokens"] - usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)

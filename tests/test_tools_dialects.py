@@ -298,6 +298,22 @@ def test_a_forced_call_cut_inside_its_opener_is_an_unfinished_call(dialect: str,
         assert (texts, errors) == (([opener[:cut]], []) if text_expected else ([], ["unfinished_tool_call"])), events
 
 
+@pytest.mark.parametrize(("output", "calls", "error"), [
+    ("<tool_call>\n<function=read>\n<parameter=path>\nabc\n</parameter>\n</function>\n</tool_ca", 1, None),
+    ("<tool_call>\n<function=read>\n<parameter=path>\nabc\n</parameter>\n</func", 0, "unfinished_tool_call"),
+    ("<tool_call>\n<function=read>\n<param", 0, "unfinished_tool_call"),
+    ("<tool_call>\n<function", 0, "unfinished_tool_call"),
+])
+def test_an_output_cut_inside_a_tag_is_unfinished_not_malformed(output: str, calls: int, error: str | None) -> None:
+    """max_tokens can end the output in the middle of any tag: inside the call that is an unfinished call; in
+    the closer after a complete call the call stands, and the stub of the closer is not text."""
+    parser = DIALECTS["qwen_xml"].parser(TOOLS)
+    events = parser.feed(output) + parser.finish()
+    assert [e for e in events if isinstance(e, TextDelta)] == []
+    assert sum(isinstance(e, CallEnd) for e in events) == calls
+    assert [e.code for e in events if isinstance(e, CallError)] == ([error] if error else [])
+
+
 CLOSABLE = {
     "qwen_xml": ["<tool_call>\n<function=read>\n", "<tool_call>\n<function=read>\n<parameter=path>\nabc",
                  "<tool_call>\n<function=read>\n<parameter=path>\nabc\n</parameter>\n",

@@ -56,6 +56,10 @@ class ServerState:
     build: str = field(default_factory=build_id)
 
 
+# The request methods counted by name in pantheon_requests_total; any other is counted as "other".
+_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+
+
 class App:
     def __init__(self, state: ServerState) -> None:
         self.state = state
@@ -75,6 +79,7 @@ class App:
             ("GET", "/admin/dies"): partial(admin_routes.dies, state.manager),
             ("GET", "/metrics"): self.metrics,
         }
+        self._paths = frozenset(path for _, path in self.routes)
         state.metrics.add_gauges(self._gauges)
 
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
@@ -107,8 +112,12 @@ class App:
         except Exception as exc:  # noqa: BLE001 - one bad request never takes the server down
             await send_error(counting_send, internal_error(exc))
         finally:
-            route = path if handler is not None or method == "OPTIONS" else "unknown"
-            self.state.metrics.inc("pantheon_requests_total", route=route, method=method, status=str(status))
+            # Labels from fixed sets only: a client sending made-up paths or methods must not grow the series
+            # (and the server's memory) without bound.
+            known = handler is not None or (method == "OPTIONS" and (path == "*" or path in self._paths))
+            route = path if known else "unknown"
+            label = method if method in _METHODS else "other"
+            self.state.metrics.inc("pantheon_requests_total", route=route, method=label, status=str(status))
 
     @staticmethod
     async def _lifespan(receive: Receive, send: Send) -> None:

@@ -87,13 +87,14 @@ class XmlCallParser(StateParser):
 
     def _take_marker(self, final: bool, markers: tuple[str, ...]) -> str | None:
         """Past whitespace, the one of `markers` the buffer starts with, consumed. None while the buffer could
-        still grow into one (more text is to come); "" when it is none of them."""
+        still grow into one, or, at the end of the output, when it stops inside one (max_tokens cut the tag:
+        the call is unfinished, not malformed); "" when it is none of them."""
         rest = self._skip_whitespace()
         for marker in markers:
             if rest.startswith(marker):
                 self._consume(len(marker))
                 return marker
-        if not final and any(marker.startswith(rest) for marker in markers):
+        if any(marker.startswith(rest) for marker in markers):
             return None
         return ""
 
