@@ -318,10 +318,15 @@ def test_streamed_prompt_over_window_carries_kv_fields(ctx64_server: ServerProce
     assert str(error["kv_used"]) in plain  # the same numbers the non-streamed message carries
 
 
+@pytest.mark.parametrize("messages", [[{"role": "user", "content": "word " * 1_600_000}],
+                                      [{"role": "user", "content": "word"}] * 400_000],
+                         ids=["one-8MB-message", "400k-messages"])
 def test_a_multi_megabyte_prompt_is_refused_at_once_while_streams_go_on(smollm_server: ServerProcess,
-                                                                        vocab: dict[bytes, int]) -> None:
+                                                                        vocab: dict[bytes, int],
+                                                                        messages: list[dict[str, str]]) -> None:
     """A prompt whose length alone shows it cannot fit is refused before it is encoded (encoding 8 MB took
-    ~10 s of the event loop, with every stream frozen), and streams being decoded meanwhile keep flowing."""
+    ~10 s of the event loop, with every stream frozen), a big body is parsed off the event loop (400k small
+    messages took it 3-4 s), and streams being decoded meanwhile keep flowing."""
     gaps: list[float] = []
 
     def watch() -> None:
@@ -340,7 +345,7 @@ def test_a_multi_megabyte_prompt_is_refused_at_once_while_streams_go_on(smollm_s
     while not gaps and streamer.is_alive():
         time.sleep(0.01)
     started = time.monotonic()
-    r = post(smollm_server, {"messages": [{"role": "user", "content": "word " * 1_600_000}], "max_tokens": 4})
+    r = post(smollm_server, {"messages": messages, "max_tokens": 4})
     refused_in = time.monotonic() - started
     streamer.join()
     error = assert_error(r, 422, "context_over_budget")

@@ -16,7 +16,7 @@ import trio
 
 from pantheon.buildinfo import build_id
 from pantheon.chat import completion as chat_completion
-from pantheon.chat.request import parse_chat_request
+from pantheon.chat.request import ChatRequest, parse_chat_request
 from pantheon.chat.structure import required_with_thinking
 from pantheon.config import EnvKnobs
 from pantheon.errors import ApiError
@@ -25,6 +25,7 @@ from pantheon.http.admin_routes import residency
 from pantheon.metrics import Metrics, standard_metrics
 from pantheon.http.asgi import (
     BASE_HEADERS,
+    PARSE_OFF_LOOP_BYTES,
     Receive,
     Send,
     headers_of,
@@ -192,8 +193,13 @@ class App:
         await send_json(send, 200, {"object": "list", "backend": s.backend, "build": s.build, "data": data})
 
     async def chat_completions(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
-        body = parse_json_body(await read_body(receive))
-        request = parse_chat_request(body, header_session=headers_of(scope).get("x-session-id"))
+        raw = await read_body(receive)
+        header_session = headers_of(scope).get("x-session-id")
+
+        def parse() -> ChatRequest:
+            return parse_chat_request(parse_json_body(raw), header_session=header_session)
+
+        request = parse() if len(raw) < PARSE_OFF_LOOP_BYTES else await trio.to_thread.run_sync(parse)
         if self.state.draining:
             raise ApiError(503, "server_shutting_down", "server is shutting down", headers={"Retry-After": "1"})
         instance = self.state.registry.route_session(request.model, request.session_id)

@@ -7,6 +7,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import orjson
+import trio
 
 from pantheon.errors import ApiError
 
@@ -16,6 +17,11 @@ Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 MAX_BODY_BYTES = 64 * 1024 * 1024
+# A request body that stops arriving for this long is given up (408).
+BODY_STALL_S = 30.0
+# Bodies from this size on are parsed on a worker thread: 20 MB of JSON (600k tiny messages) took the event loop
+# 3-4 s to parse into a request, with every stream stalled meanwhile.
+PARSE_OFF_LOOP_BYTES = 1 << 20
 
 # Every response carries these (spec: "Every response carries Access-Control-Allow-Origin: * and
 # Connection: close").
@@ -30,10 +36,15 @@ def headers_of(scope: Mapping[str, Any]) -> dict[str, str]:
 
 
 async def read_body(receive: Receive) -> bytes:
+    """The whole request body. A client that stops sending it for BODY_STALL_S gets a 408 (and its connection
+    closed): a stalled upload must not hold a socket for ever."""
     chunks: list[bytes] = []
     size = 0
     while True:
-        message = await receive()
+        with trio.move_on_after(BODY_STALL_S) as stalled:
+            message = await receive()
+        if stalled.cancelled_caught:
+            raise ApiError(408, "invalid_request_error", f"no request body data for {BODY_STALL_S:.0f} s")
         if message["type"] == "http.disconnect":
             raise ConnectionAbortedError("client disconnected while sending the body")
         chunk = message.get("body", b"")

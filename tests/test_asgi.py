@@ -1,0 +1,41 @@
+"""pantheon.http.asgi: reading a request body."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import trio
+
+from pantheon.errors import ApiError
+from pantheon.http.asgi import BODY_STALL_S, read_body
+
+
+async def test_a_body_sent_in_pieces_is_joined() -> None:
+    pieces = iter([{"type": "http.request", "body": b"ab", "more_body": True},
+                   {"type": "http.request", "body": b"cd", "more_body": False}])
+
+    async def receive() -> dict[str, Any]:
+        return next(pieces)
+
+    assert await read_body(receive) == b"abcd"
+
+
+async def test_a_stalled_upload_is_given_up_with_408(autojump_clock: trio.abc.Clock) -> None:
+    """Headers and a few bytes, then nothing: the request ends with a 408 after BODY_STALL_S instead of holding
+    its socket for ever."""
+    sent = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": b"{\"me", "more_body": True}
+        await trio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    started = trio.current_time()
+    with pytest.raises(ApiError) as caught:
+        await read_body(receive)
+    assert caught.value.status == 408
+    assert trio.current_time() - started == pytest.approx(BODY_STALL_S)
