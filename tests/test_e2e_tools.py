@@ -169,7 +169,8 @@ def test_tool_choice_none_ignores_tools(smollm_server: ServerProcess) -> None:
 
 @pytest.mark.parametrize("bad", [[{"type": "function"}], [{"type": "function", "function": {"name": 3}}], "x",
                                  [{"type": "function", "function": {"name": "a<b>c"}}],
-                                 [{"type": "function", "function": {"name": "get weather"}}]])
+                                 [{"type": "function", "function": {"name": "get weather"}}],
+                                 [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]])
 def test_malformed_tools_are_400(smollm_server: ServerProcess, bad: object) -> None:
     r = httpx.post(smollm_server.base_url + "/v1/chat/completions", timeout=60,
                    json={"messages": [{"role": "user", "content": "hi"}], "tools": bad})

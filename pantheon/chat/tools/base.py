@@ -65,8 +65,9 @@ def parse_tools(raw: list) -> list[ToolSpec]:
         parameters = fn.get("parameters")
         if parameters is None:
             parameters = {"type": "object", "properties": {}}
-        if not isinstance(parameters, dict):
-            raise invalid_request(f"tools[{i}].function.parameters must be a JSON schema object")
+        if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
+            # A call's arguments are one JSON object (OpenAI refuses any other schema the same way).
+            raise invalid_request(f"tools[{i}].function.parameters must be a JSON schema of type \"object\"")
         specs.append(ToolSpec(name=name, description=description or "", parameters=parameters))
     return specs
 
