@@ -523,6 +523,8 @@ def test_unload_while_unloading_is_409(main_clean: ServerProcess, default_model_
         assert stream.alive and stream.error is None
         # Loading the name that is unloading is refused too.
         assert_error(load(main_clean, {"path": str(default_model_path), "name": "u"}), 409, "load_failed")
+        # And a completion naming it is not answered by another model.
+        assert_error(chat(main_clean, {**HELLO, "model": "u"}), 404, "model_not_found")
     # The stream's client left: the turn is aborted, the drain ends, the unload returns 200.
     draining.join(60.0)
     assert not draining.is_alive(), "unload did not return after the in-flight stream ended"

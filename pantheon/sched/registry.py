@@ -60,6 +60,10 @@ class Registry:
         serving = self.serving
         if not serving:
             raise ApiError(503, "no_models_loaded", "no model is loaded")
+        if model is not None and model not in self.names() and any(i.name == model for i in self.instances):
+            # It names a model being unloaded: not answered by whichever model stays.
+            raise ApiError(404, "model_not_found", f"model {model!r} is being unloaded; loaded: "
+                                                   f"{', '.join(self.names())}")
         if len(self.names()) == 1:
             candidates = serving  # one served id: any value (or none) routes to it
         else:
