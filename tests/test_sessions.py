@@ -181,3 +181,35 @@ def test_a_second_conversation_starts_from_a_copy_of_what_it_shares() -> None:
     clock.now += 1
     d = t.assign("s", [99] * 10)  # a third conversation: evicts the least recent, cold
     assert d is not None and d.conflict and d.cached_tokens == 0 and d.copy_from is None
+
+
+def test_a_third_conversation_starts_from_the_prefix_it_shares() -> None:
+    """Two conversations live; a third (opencode's compaction request replaying the main one) evicts the least
+    recent. It reuses the longest prefix it shares: copied from the conversation that stays, or kept in place
+    when it is the evicted one's; only a third conversation that reuses nothing is flagged as a conflict."""
+    t, clock = table(copy_prefixes=True)
+    main, title = list(range(100)), [1, 2, 3] + list(range(500, 540))
+    run_turn(t, "s", main, [7])
+    clock.now += 1
+    run_turn(t, "s", title, [8])
+    session = t.get("s")
+    main_slot, title_slot = session.slots
+    clock.now += 1
+    compaction = main[:80] + [900, 901]  # shares 80 tokens with main, 0 with title (the least recent is main)
+    c = t.assign("s", compaction, anchor=81)
+    assert c is not None and c.slot is main_slot and not c.conflict
+    assert c.cached_tokens == 80 and c.copy_from is None  # the evicted slot already holds them
+    c.slot.tokens[:] = compaction + [9]
+    t.finish(c.slot)
+    clock.now += 1
+    again = title[:40] + [950]  # shares 40 with title, whose slot is now the least recent: kept in place
+    d = t.assign("s", again, anchor=41)
+    assert d is not None and not d.conflict and d.cached_tokens == 40 and d.slot is title_slot
+    d.slot.tokens[:] = again
+    t.finish(d.slot)
+    clock.now += 1
+    run_turn(t, "s", compaction + [9, 1, 2], [3])  # the compacted conversation goes on: title's is least recent
+    clock.now += 1
+    e = t.assign("s", compaction[:60] + [7, 7, 7], anchor=62)  # evicts title's slot, copies from main's
+    assert e is not None and not e.conflict and e.slot is title_slot
+    assert e.cached_tokens == 60 and e.copy_from == (main_slot.index, 60) and e.slot.tokens == compaction[:60]

@@ -176,23 +176,27 @@ class SessionTable:
             conflict = True  # the same conversation is mid-turn: this one runs cold beside it
         else:
             conflict = False
-        # A new conversation under this id (or a cold copy of a busy one).
+        # A new conversation under this id (or a cold copy of a busy one). What it shares with the conversations
+        # there now, measured before one of them may be evicted for it.
+        shared = [(common_prefix(s.tokens, prompt), s) for s in session.slots]
         got = self._conversation_slot(session)
         if got is None:
             return None
         slot, evicted = got
         session.last_used = now
-        if conflict or evicted or not self.copy_prefixes:
+        if conflict or not self.copy_prefixes:
             return self._take(slot, 0, now, conflict or evicted)
-        # A second conversation: it starts from a copy of what it shares with the first (re-sending turn 1 after
-        # turn 2, an edited earlier message), which keeps the first conversation whole.
-        shared = [(common_prefix(s.tokens, prompt), s) for s in session.slots if s is not slot]
+        # It starts from the longest prefix it shares with one of them (re-sending turn 1 after turn 2, an edited
+        # earlier message, a compaction request replaying the conversation): copied from that slot, or, when that
+        # is the slot just evicted for it, kept in place. The other conversation stays whole. Only a new
+        # conversation that could reuse nothing and evicted another is flagged as a conflict.
         n, source = max(shared, key=lambda pair: pair[0], default=(0, None))
         usable = min(n, len(prompt) - 1)
         if source is None or usable <= 0:
-            return self._take(slot, 0, now)
+            return self._take(slot, 0, now, evicted)
         slot.tokens[:] = prompt[:usable]
-        return self._take(slot, usable, now, copy_from=(source.index, usable))
+        copy_from = None if source is slot else (source.index, usable)
+        return self._take(slot, usable, now, copy_from=copy_from)
 
     def _conversation_slot(self, session: Session) -> tuple[SlotInfo, bool] | None:
         """An emptied slot for a new conversation of `session`: a free one while it has fewer than
