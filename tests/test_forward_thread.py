@@ -68,3 +68,67 @@ async def test_close_then_run_starts_a_new_thread() -> None:
     second = await forward.run(threading.current_thread)
     assert second is not first and second.is_alive()
     forward.close()
+
+
+async def test_a_stream_hands_over_each_result_as_it_is_emitted() -> None:
+    forward = ForwardThread()
+    gate = threading.Event()
+
+    def job(emit, stream, n: int) -> None:
+        emit("first")
+        assert gate.wait(10)  # the caller has the first result while the job still runs
+        for i in range(n):
+            emit(i)
+
+    stream = forward.stream(job, 3)
+    try:
+        with trio.fail_after(10):
+            assert await stream.next() == "first"
+            gate.set()
+            assert [await stream.next() for _ in range(4)] == [0, 1, 2, None]
+            assert await stream.next() is None
+    finally:
+        await stream.close()
+    forward.close()
+
+
+async def test_a_stream_job_that_raises_ends_the_stream_with_its_error() -> None:
+    forward = ForwardThread()
+
+    def job(emit, stream) -> None:
+        emit(1)
+        raise ValueError("bad step")
+
+    stream = forward.stream(job)
+    with trio.fail_after(10):
+        assert await stream.next() == 1
+        with pytest.raises(ValueError, match="bad step"):
+            await stream.next()
+        assert await stream.next() is None
+    await stream.close()
+    assert await forward.run(lambda: "after") == "after"
+    forward.close()
+
+
+async def test_closing_a_stream_stops_the_job_and_waits_for_it_even_when_cancelled() -> None:
+    """close() sets `stop` (the job ends at its next check) and, shielded, waits until the job has returned."""
+    forward = ForwardThread()
+    steps: list[int] = []
+
+    def job(emit, stream) -> None:
+        while not stream.stop:
+            time.sleep(0.02)
+            steps.append(len(steps))
+            emit(len(steps))
+        time.sleep(0.2)  # the last step still running when close() is called
+        steps.append(-1)
+
+    stream = forward.stream(job)
+    with trio.move_on_after(0.1) as scope:
+        try:
+            await trio.sleep_forever()
+        finally:
+            await stream.close()
+    assert scope.cancelled_caught and steps[-1] == -1 and stream.ended
+    assert await forward.run(lambda: "after") == "after"
+    forward.close()
