@@ -70,16 +70,17 @@ def _named_function(tool_choice: Any) -> str | None:
 
 
 def _tool_grammar(dialect: Dialect, tools: list[ToolSpec], request: ChatRequest, env: EnvKnobs,
-                  think_mode: str) -> str | None:
+                  think_mode: str) -> tuple[str | None, bool]:
+    """The tool-call grammar of this request (None: decoded unconstrained), and whether it compels a call."""
     named = _named_function(request.tool_choice)
     if request.tool_choice == "required" and not tools:
         raise invalid_request("tool_choice \"required\" needs at least one tool in 'tools'")
     if named is not None and named not in {t.name for t in tools}:
         raise invalid_request(f"tool_choice names function {named!r}, which is not among the offered tools")
     if not tools or not dialect.grammar_capable or env.tool_grammar is False:
-        return None
+        return None, False
     if env.tool_grammar is None and request.tool_choice != "required":  # default: only "required" is constrained
-        return None
+        return None, False
     # The arguments' schemas become the grammar: one that is not a JSON schema is the request's error, not a
     # reason to decode unconstrained.
     for tool in tools:
@@ -89,11 +90,11 @@ def _tool_grammar(dialect: Dialect, tools: list[ToolSpec], request: ChatRequest,
             raise invalid_request(f"tools: function {tool.name!r} parameters are not a valid JSON schema: "
                                   f"{exc.message}") from None
     if env.tool_grammar is None:
-        return tool_call_grammar(dialect, tools, mode="required", think=think_mode)
+        return tool_call_grammar(dialect, tools, mode="required", think=think_mode), True
     if named is not None:
-        return tool_call_grammar(dialect, tools, mode="required", function=named, think=think_mode)
+        return tool_call_grammar(dialect, tools, mode="required", function=named, think=think_mode), True
     mode = "required" if request.tool_choice == "required" else "auto"
-    return tool_call_grammar(dialect, tools, mode=mode, think=think_mode)
+    return tool_call_grammar(dialect, tools, mode=mode, think=think_mode), mode == "required"
 
 
 def _response_format(request: ChatRequest, lltok: Any, think_mode: str) -> tuple[str | None, str | None]:
@@ -135,9 +136,7 @@ def _compile_error(lltok: Any, grammar: str) -> str | None:
 def plan(served: LoadedModel, request: ChatRequest, env: EnvKnobs, dialect: Dialect, tools: list[ToolSpec],
          think_mode: str) -> Structure:
     structure = Structure(dialect=dialect, tools=tools)
-    structure.grammar = _tool_grammar(dialect, tools, request, env, think_mode)
-    structure.call_forced = structure.grammar is not None and (
-        request.tool_choice == "required" or isinstance(request.tool_choice, dict))
+    structure.grammar, structure.call_forced = _tool_grammar(dialect, tools, request, env, think_mode)
     if request.response_format is not None:
         if tools:  # tools offered (not turned off by tool_choice "none") win
             structure.response_format_status = "ignored_tools_present"

@@ -207,7 +207,7 @@ class LlamaModel:
     # A slot's first positions can be copied into another (`copy_prefix`): a recurrent model's state cannot.
     supports_prefix_copy = True
 
-    def copy_prefix(self, state: KVState, src: int, n_tokens: int, dst: int) -> None:
+    def copy_prefix(self, state: KVState, src: int, dst: int, n_tokens: int) -> None:
         """Slot dst's first n_tokens positions become slot src's (a new conversation starting from what it shares
         with another one)."""
         for pool in (*state.k, *state.v):

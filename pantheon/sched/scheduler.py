@@ -323,15 +323,13 @@ class Scheduler:
             return None
         if any(a.prefilling or a.job.constraint is not None for a in list(self._active)):
             return None
-        kv_cap = self.kv_cap
         following: tuple[list[BatchRow], list[Active], list[int]] = ([], [], [])
         for row, active, sampled, count in zip(rows, owners, samples, made):
             if sampled is None or active.released or active.job.cancelled or active.job.constraint is not None:
                 continue
             count += 1
-            position = row.start_pos + 1
-            if (sampled.token_id in active.job.stop_ids or count >= active.job.max_tokens
-                    or position + 1 >= kv_cap):
+            position = row.start_pos + 1  # what the slot holds once this step's token is delivered
+            if sampled.token_id in active.job.stop_ids or self._out_of_budget(active.job, count, position):
                 continue
             following[0].append(BatchRow(row.slot, np.asarray([sampled.token_id], dtype=np.int32), position))
             following[1].append(active)
@@ -433,7 +431,8 @@ class Scheduler:
             if active.copy_from is not None:
                 # Before this step writes anything: the source's first n positions do not change meanwhile (its
                 # own turns write past them, and a turn that rewinds it is admitted after this one).
-                model.copy_prefix(self.state, *active.copy_from, row.slot)
+                source, n = active.copy_from
+                model.copy_prefix(self.state, source, row.slot, n)
                 active.copy_from = None
         logits = model.forward(self.state, rows)
         if not self.rewindable:
@@ -523,13 +522,16 @@ class Scheduler:
             self._finish(active, "repetition_loop")
         elif controller is not None and controller.is_finished():
             self._finish(active, "stop")
-        elif len(active.slot.tokens) + 1 >= self.kv_cap:
-            self._finish(active, "length")
-        elif len(active.generated) >= active.job.max_tokens:
-            # A hard cap, constrained or not: a call cut short is reported (tool_call_error), not completed.
+        elif self._out_of_budget(active.job, len(active.generated), len(active.slot.tokens)):
             self._finish(active, "length")
         else:
             active.pending = token
+
+    def _out_of_budget(self, job: GenerationJob, n_generated: int, n_held: int) -> bool:
+        """A turn with n_generated tokens, whose slot holds n_held, ends here with "length": max_tokens is a hard
+        cap (a constrained call cut short is reported in tool_call_error, not completed), and the window must
+        keep room for the token to be fed. `_accept` decides with it; `_next_decode` foresees the same."""
+        return n_generated >= job.max_tokens or n_held + 1 >= self.kv_cap
 
     def _usage(self, active: Active) -> Usage:
         return Usage(prompt_tokens=len(active.job.prompt), cached_tokens=active.cached_tokens,
