@@ -77,10 +77,11 @@ def test_required_returns_one_well_formed_call(smollm_server: ServerProcess, pro
     assert any(made), made
 
 
-@pytest.mark.parametrize("max_tokens", [1, 3, 10])
+@pytest.mark.parametrize("max_tokens", [1, 3, 10, 20])
 def test_max_tokens_is_a_hard_cap_on_a_required_call(smollm_server: ServerProcess, max_tokens: int) -> None:
     """A constrained call cut short by max_tokens ends there with "length", as llama.cpp and vLLM do: the
-    unfinished call is not returned as a call."""
+    unfinished call is not returned as a call, and the stream never sent any of it (cut after the function
+    name, or inside the arguments, alike)."""
     request = dict(messages=[{"role": "user", "content": PROMPTS[0]}], tools=TOOLS, tool_choice="required",
                    temperature=0, max_tokens=max_tokens)
     body = chat(smollm_server, **request)
@@ -92,6 +93,7 @@ def test_max_tokens_is_a_hard_cap_on_a_required_call(smollm_server: ServerProces
     r = httpx.post(smollm_server.base_url + "/v1/chat/completions", json={**request, "stream": True}, timeout=300)
     chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
     assert not "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]), r.text
+    assert not [c for c in chunks if c["choices"] and "tool_calls" in c["choices"][0]["delta"]], r.text
     assert chunks[-1]["choices"][0]["tool_call_error"]["code"] == "unfinished_tool_call", chunks[-1]
 
 

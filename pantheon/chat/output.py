@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from pantheon.chat.tools import ArgsDelta, CallEnd, CallError, CallStart, TextDelta, ToolCallParser
+from pantheon.chat.tools import CallEnd, CallError, CallStart, TextDelta, ToolCallParser
 from pantheon.chat.tools.base import partial_suffix
 from pantheon.engine.sampling import SampledToken
 from pantheon.io.tokenizer import StreamingDecoder, Tokenizer
@@ -25,8 +25,8 @@ class Delta:
     reasoning: str = ""
     content: str = ""
     logprobs: list[dict[str, Any]] = field(default_factory=list)
-    # Streaming tool-call pieces, in order: {"index", "id", "name"} opens a call, {"index", "arguments"}
-    # extends its arguments text.
+    # Streaming tool-call pieces of the calls parsed whole in this delta, in order: {"index", "id", "name"}
+    # opens a call, {"index", "arguments"} carries its arguments text.
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
@@ -151,7 +151,6 @@ class ChoiceOutput:
         self.completion_tokens = 0
         self.tool_calls: list[dict[str, Any]] = []  # finished calls, OpenAI shape
         self.tool_call_errors: list[dict[str, Any]] = []
-        self._call_index: dict[int, int] = {}  # parser index -> contiguous output index
         self._call_ids: dict[int, tuple[str, str]] = {}
 
     @property
@@ -168,7 +167,10 @@ class ChoiceOutput:
         return entry
 
     def _route_tools(self, delta: Delta, final: bool) -> None:
-        """Move delta.content through the call parser."""
+        """Move delta.content through the call parser. A call goes out (its opening piece, then its arguments)
+        once it has been parsed whole, as the spec's stream has it: a call that is cut short or rejected is
+        never streamed, so the stream's calls are exactly the non-streamed response's `tool_calls`, with the
+        same indexes."""
         if self._tools is None:
             return
         events = self._tools.feed(delta.content) if delta.content else []
@@ -179,13 +181,12 @@ class ChoiceOutput:
             if isinstance(event, TextDelta):
                 delta.content += event.text
             elif isinstance(event, CallStart):
-                index = self._call_index[event.index] = len(self._call_index)
                 self._call_ids[event.index] = (event.id, event.name)
-                delta.tool_calls.append({"index": index, "id": event.id, "name": event.name})
-            elif isinstance(event, ArgsDelta):
-                delta.tool_calls.append({"index": self._call_index[event.index], "arguments": event.fragment})
             elif isinstance(event, CallEnd):
                 call_id, name = self._call_ids[event.index]
+                index = len(self.tool_calls)
+                delta.tool_calls.append({"index": index, "id": call_id, "name": name})
+                delta.tool_calls.append({"index": index, "arguments": event.arguments})
                 self.tool_calls.append({"id": call_id, "type": "function",
                                         "function": {"name": name, "arguments": event.arguments}})
             elif isinstance(event, CallError):
