@@ -47,7 +47,7 @@ def _dies(value: str) -> tuple[int, ...]:
 
 
 MODEL_FLAGS = {"--ctx-cap", "--max-sessions", "--max-concurrent", "--reasoning-budget", "--dies", "--quantize"}
-GIL_SWITCH_INTERVAL_S = 0.0002  # see _serve
+GIL_SWITCH_INTERVAL_S = 0.00005  # see _serve
 
 
 def _split_models(argv: list[str]) -> tuple[list[str], list[tuple[str, list[str]]]]:
@@ -146,11 +146,12 @@ def _serve(args: argparse.Namespace, model_specs: list[tuple[str, list[str]]]) -
     options = ServeOptions(host=args.host, port=args.port, models=models, threads=args.threads,
                            drain_timeout_s=args.drain_timeout, session_dir=args.session_dir, env=env)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # The forward pass runs in a worker thread that needs the GIL back after every kernel (a few hundred times
-    # a step) while the event loop formats and sends tokens; with Python's default 5 ms switch interval it can
-    # wait that long whenever the loop holds the GIL. On the 2-core test VM, 8-stream decode over HTTP measured
-    # 400-419 tok/s at 5 ms and 411-494 at 0.2 ms (bench/concurrency.py --levels 1,8): inside that machine's
-    # noise, so this is a bound on the worst wait, not a measured speed-up. Single-stream was unchanged.
+    # The forward thread needs the GIL between its compiled steps (sampling, the next step's rows, handing
+    # the results to the event loop) while the event loop formats and sends tokens; a thread that waits for
+    # the GIL asks its holder to drop it only after the switch interval (Python's default: 5 ms). 0.2 ms
+    # bounded that wait; 0.05 ms measured better again on the 2-core test VM: HTTP decode A/B against 0.2 ms
+    # (both servers up, alternating rounds, 96 tokens a stream; medians of per-round ratios), 1 stream +4.7% /
+    # +2.8% and 8 streams +4.4% / +2.3% in two runs of 6 and 8 rounds; 0.01 ms gave +3% / +3%.
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     failed: list[BaseException] = []
     try:
