@@ -8,6 +8,7 @@ logits = Wout . norm(x)          (Wout = token embeddings when output.weight is 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -246,6 +247,12 @@ class LlamaModel:
         return q
 
     def forward(self, state: KVState, batch: list[BatchRow]) -> np.ndarray:
+        return self.prepare_forward(state, batch)()
+
+    def prepare_forward(self, state: KVState, batch: list[BatchRow]) -> Callable[[], np.ndarray]:
+        """`forward` in two parts: the inputs checked and built here, the compute in the returned call. The
+        scheduler hands the previous decode step's tokens to the event loop between the two, so that the loop
+        wakes while this thread computes without the GIL instead of while it still needs it."""
         c, be = self.config, self.backend
         be.begin_step()
         for row in batch:
@@ -266,9 +273,19 @@ class LlamaModel:
             state.kernel_pools = (be.kernel_pools(state.k), be.kernel_pools(state.v))
         if plan is not None and plan.ends is not None and all(r.logits == "last" for r in batch):
             # Embedding to logits in one call: the GIL is taken back once a step, not after every kernel.
-            logits = be.decode_step(plan, tokens, c.rms_eps, *state.kernel_pools, token_slots, positions, c.n_heads,
-                                    c.rope_dim, c.rope_base, c.rope_scale, scale)
-            return logits[:, : c.vocab_size]
+            def whole_step() -> np.ndarray:
+                logits = be.decode_step(plan, tokens, c.rms_eps, *state.kernel_pools, token_slots, positions,
+                                        c.n_heads, c.rope_dim, c.rope_base, c.rope_scale, scale)
+                return logits[:, : c.vocab_size]
+
+            return whole_step
+        return lambda: self._compute(state, batch, plan, tokens, positions, token_slots, offsets, scale)
+
+    def _compute(self, state: KVState, batch: list[BatchRow], plan: Any, tokens: Any, positions: Any,
+                 token_slots: Any, offsets: np.ndarray, scale: float) -> np.ndarray:
+        c, be = self.config, self.backend
+        n_tok = int(offsets[-1])
+        decode_only = n_tok == len(batch)
         x = be.embed(self.tok_embd, tokens)
         h = be.rmsnorm(x, self.blocks[0].attn_norm, c.rms_eps)
         if plan is not None:

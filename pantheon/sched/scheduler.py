@@ -25,7 +25,9 @@ import logging
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -295,19 +297,33 @@ class Scheduler:
 
     def _decode_chain(self, emit: Any, stream: Any, rows: list[BatchRow], owners: list[Active],
                       made: list[int]) -> None:
-        """Forward thread: a decode step, its results emitted, then the next step for the rows that go on
-        (`_next_decode`), until none does or the event loop needs a new plan."""
+        """Forward thread: a decode step, then the next step for the rows that go on (`_next_decode`), until none
+        does or the event loop needs a new plan. A step's results go to the event loop once the next step's
+        inputs are built, as its compute starts (`_execute`'s handover): the loop then wakes while this thread
+        runs without the GIL, rather than while it still needs it for sampling and the next inputs (with two
+        cores, each such wait cost the step up to a GIL switch interval and a hand-off). The last step's go at
+        once."""
+        pending: list[StepResult] = []
+
+        def handover() -> None:
+            if pending:
+                emit(pending.pop())
+
         while True:
             started = time.monotonic()
             try:
-                samples = self._execute(rows, owners)
+                samples = self._execute(rows, owners, handover)
             except Exception as exc:
+                handover()
                 emit(StepResult(rows, owners, [], 0.0, exc))
                 return
-            emit(StepResult(rows, owners, samples, time.monotonic() - started))
+            handover()  # a step that never reached its compute
+            result = StepResult(rows, owners, samples, time.monotonic() - started)
             following = None if stream.stop else self._next_decode(rows, owners, samples, made)
             if following is None:
+                emit(result)
                 return
+            pending.append(result)
             rows, owners, made = following
 
     def _next_decode(self, rows: list[BatchRow], owners: list[Active], samples: list[SampledToken | None],
@@ -421,8 +437,11 @@ class Scheduler:
         chunk = np.asarray(active.job.prompt[start:end], dtype=np.int32)
         return BatchRow(active.slot.index, chunk, start, "last" if last else "none")
 
-    def _execute(self, rows: list[BatchRow], owners: list[Active]) -> list[SampledToken | None]:
-        """Worker thread: one forward pass, then sampling for every row that produced logits."""
+    def _execute(self, rows: list[BatchRow], owners: list[Active], handover: Callable[[], None] | None = None
+                 ) -> list[SampledToken | None]:
+        """Worker thread: one forward pass, then sampling for every row that produced logits. `handover` is
+        called once the pass's inputs are built, right before it computes (models without `prepare_forward`:
+        before the pass)."""
         model = self.served.model
         for row, active in zip(rows, owners):
             if active.restore is not None:
@@ -434,7 +453,11 @@ class Scheduler:
                 source, n = active.copy_from
                 model.copy_prefix(self.state, source, row.slot, n)
                 active.copy_from = None
-        logits = model.forward(self.state, rows)
+        prepare = getattr(model, "prepare_forward", None)
+        compute = prepare(self.state, rows) if prepare is not None else partial(model.forward, self.state, rows)
+        if handover is not None:
+            handover()
+        logits = compute()
         if not self.rewindable:
             for row, active in zip(rows, owners):
                 end = row.start_pos + len(row.tokens)
