@@ -638,3 +638,48 @@ async def test_a_failed_decode_step_fails_its_jobs_and_the_scheduler_goes_on() -
             after = [event async for event in sched.submit(fake_job(4))]
         nursery.cancel_scope.cancel()
     assert sum(isinstance(e, TokenEvent) for e in after) == 4 and isinstance(after[-1], FinishEvent)
+
+
+class PreparedModel(FakeModel):
+    """FakeModel with `prepare_forward`: records, at the end of each step's (slow) preparation, how many steps
+    had computed and how many tokens the event loop had received by then."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.computed = 0
+        self.received = 0
+        self.at_prepare: list[tuple[int, int]] = []
+
+    def prepare_forward(self, state: object, rows: list[Any]) -> Any:
+        time.sleep(0.02)  # time enough for the event loop to take anything already handed over
+        self.at_prepare.append((self.computed, self.received))
+
+        def compute() -> np.ndarray:
+            logits = FakeModel.forward(self, state, rows)
+            self.computed += 1
+            return logits
+
+        return compute
+
+
+async def test_a_run_hands_each_step_over_once_the_next_step_is_prepared() -> None:
+    """Within a decode run, a step's token reaches the event loop after the next step's inputs are built (as
+    its compute starts), never while the forward thread still prepares them; the run's last token and the
+    prefill's go out at once."""
+    from pantheon.sched.jobs import FinishEvent, TokenEvent
+
+    model = PreparedModel()
+    sched = fake_scheduler(model)
+    events = sched.submit(fake_job(6))
+    got = []
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sched.run)
+        with trio.fail_after(10):
+            async for event in events:
+                got.append(event)
+                model.received += isinstance(event, TokenEvent)
+        nursery.cancel_scope.cancel()
+    assert sum(isinstance(e, TokenEvent) for e in got) == 6 and isinstance(got[-1], FinishEvent)
+    # The prefill step, then the run's first decode step (the prefill's token already out), then every later
+    # step prepared with the previous step's token still held back.
+    assert [computed - received for computed, received in model.at_prepare] == [0, 0, 1, 1, 1, 1], model.at_prepare
