@@ -26,6 +26,7 @@ import trio  # noqa: E402
 
 from bench.common import default_model, write_result  # noqa: E402
 from bench.concurrency import PROMPTS, end_token_ids  # noqa: E402
+from pantheon.cli import GIL_SWITCH_INTERVAL_S  # noqa: E402
 from pantheon.config import ModelOptions, read_env  # noqa: E402
 from pantheon.engine.loader import load_served_model  # noqa: E402
 from pantheon.engine.sampling import SamplingParams  # noqa: E402
@@ -42,6 +43,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # as the server runs: the forward thread and the loop share the GIL
     path = default_model()
     env = read_env()
     forward = ForwardThread()
