@@ -3,6 +3,8 @@ time, and histograms. One `Metrics` object per process, passed to whoever record
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -32,6 +34,8 @@ def _number(value: float) -> str:
 @dataclass
 class Histogram:
     buckets: tuple[float, ...] = LATENCY_BUCKETS
+    # Observations per bucket, not cumulative: one increment per observation (the inter-token latency is
+    # observed for every token); `cumulative` gives Prometheus's counts at scrape time.
     counts: list[int] = field(default_factory=list)
     total: float = 0.0
     n: int = 0
@@ -39,11 +43,15 @@ class Histogram:
     def observe(self, value: float) -> None:
         if not self.counts:
             self.counts = [0] * len(self.buckets)
-        for i, bound in enumerate(self.buckets):
-            if value <= bound:
-                self.counts[i] += 1
+        i = bisect.bisect_left(self.buckets, value)  # the first bound >= value
+        if i < len(self.buckets):
+            self.counts[i] += 1
         self.total += value
         self.n += 1
+
+    def cumulative(self) -> list[int]:
+        """Observations <= each bound, in bound order."""
+        return list(itertools.accumulate(self.counts or [0] * len(self.buckets)))
 
 
 class Metrics:
@@ -92,8 +100,7 @@ class Metrics:
         for name, hseries in sorted(self._histograms.items()):
             header(name, "histogram")
             for labels, h in sorted(hseries.items()):
-                counts = h.counts or [0] * len(h.buckets)
-                for bound, count in zip(h.buckets, counts):
+                for bound, count in zip(h.buckets, h.cumulative()):
                     lines.append(f"{name}_bucket{_labels(labels + (('le', _number(bound)),))} {count}")
                 lines.append(f"{name}_bucket{_labels(labels + (('le', '+Inf'),))} {h.n}")
                 lines.append(f"{name}_sum{_labels(labels)} {_number(h.total)}")

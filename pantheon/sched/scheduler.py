@@ -500,7 +500,10 @@ class Scheduler:
                 # the step before): it ended before these tokens. They stay out of the slot's history, so the
                 # positions they wrote count for nothing.
                 continue
-            active.slot.tokens.extend(int(t) for t in row.tokens)
+            if len(row.tokens) == 1:  # a decode step's row
+                active.slot.tokens.append(int(row.tokens[0]))
+            else:
+                active.slot.tokens.extend(row.tokens.tolist())
             if active.prefilling:
                 active.prompt_done += len(row.tokens)
                 self.metrics.inc("pantheon_tokens_prefilled_total", len(row.tokens), model=model)
