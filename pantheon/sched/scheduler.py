@@ -301,8 +301,8 @@ class Scheduler:
         does or the event loop needs a new plan. A step's results go to the event loop once the next step's
         inputs are built, as its compute starts (`_execute`'s handover): the loop then wakes while this thread
         runs without the GIL, rather than while it still needs it for sampling and the next inputs (with two
-        cores, each such wait cost the step up to a GIL switch interval and a hand-off). The last step's go at
-        once."""
+        cores, each such wait cost the step up to a GIL switch interval and a hand-off). The run's last results
+        go out at once."""
         pending: list[StepResult] = []
 
         def handover() -> None:
