@@ -5,6 +5,7 @@ the same size, `QWeight.int8_packed`, made by the load's warm-up; the mmapped or
 from __future__ import annotations
 
 import mmap
+import threading
 from typing import Any
 
 import numba
@@ -18,6 +19,10 @@ from pantheon.kernels.cpu.moe import ExpertWeights
 from pantheon.kernels.cpu.quant import QWeight
 
 F32 = 0
+
+
+# Per thread: the numba thread count the cpu backends last set there (see `CpuBackend.begin_step`).
+_thread_settings = threading.local()
 
 
 class CpuBackend:
@@ -74,8 +79,12 @@ class CpuBackend:
 
     # -- per-step ------------------------------------------------------------------------------------------
     def begin_step(self) -> None:
-        # numba's thread count is per calling thread, and steps run on trio's worker threads.
-        numba.set_num_threads(self.threads)
+        # numba's thread count is per calling thread (steps may run on other threads than the load's). Setting
+        # it costs ~20 us of a decode step in place (the call is cache-cold after a step), so it is set only
+        # when this thread's last setting differs; only the cpu backends set it.
+        if getattr(_thread_settings, "threads", None) != self.threads:
+            numba.set_num_threads(self.threads)
+            _thread_settings.threads = self.threads
 
     def zeros(self, shape: tuple[int, ...], dtype: type = np.float32) -> np.ndarray:
         return np.zeros(shape, dtype=dtype)

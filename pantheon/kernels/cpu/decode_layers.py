@@ -58,12 +58,15 @@ def _layers(x, h, qtypes, rows, flips, w_qkv, w_out, w_gate_up, w_down, ffn_norm
 @numba.njit(cache=True, nogil=True, error_model="numpy")
 def _step(tokens, embd_qtype, embd_data, first_norm, out_qtype, out_packed, out_rows, out_flip, qtypes, rows, flips,
           w_qkv, w_out, w_gate_up, w_down, ffn_norms, next_norms, eps, k_pools, v_pools, slots, positions,
-          cos_table, sin_table, scale, n_q_heads, n_chunks):
-    """The whole decode step: embedding rows, the first norm, the layers and the output matrix; the logits
-    (B, out_rows)."""
+          n_rot, freq_base, freq_scale, scale, n_q_heads, n_chunks):
+    """The whole decode step: the rotation's angles, embedding rows, the first norm, the layers and the output
+    matrix; the logits (B, out_rows)."""
     for t in range(tokens.shape[0]):
         if tokens[t] < 0 or tokens[t] >= embd_data.shape[0]:
             raise IndexError("token id out of range for the embedding")
+    cos_table = np.empty((positions.shape[0], n_rot // 2), dtype=np.float32)
+    sin_table = np.empty((positions.shape[0], n_rot // 2), dtype=np.float32)
+    ops._rope_angles(positions, n_rot, freq_base, freq_scale, cos_table, sin_table)
     x = np.empty((tokens.shape[0], first_norm.shape[0]), dtype=np.float32)
     quant._dequant_rows(embd_qtype, embd_data, tokens, x, quant._N16)
     h = np.empty_like(x)
@@ -100,6 +103,7 @@ class DecodePlan:
     w_down: Any
     ffn_norms: np.ndarray  # float32 (L, D)
     next_norms: np.ndarray  # float32 (L, D): the next layer's attention norm, the output norm after the last
+    head_dim: int
     ends: DecodeEnds | None = None  # set when the whole step, embedding to logits, runs compiled
 
 
@@ -136,6 +140,7 @@ def build_plan(blocks: list[Any], output_norm: np.ndarray, head_dim: int, int8: 
         ffn_norms=np.stack([np.asarray(blk.ffn_norm, dtype=np.float32) for blk in blocks]),
         next_norms=np.stack([np.asarray(b.attn_norm, dtype=np.float32) for b in blocks[1:]]
                             + [np.asarray(output_norm, dtype=np.float32)]),
+        head_dim=head_dim,
     )
 
 
@@ -147,10 +152,10 @@ def kernel_pools(pools: list[np.ndarray]) -> Any:
     return views
 
 
-def _rows(k_pools: Any, slots: np.ndarray, positions: np.ndarray, n_rot: int, freq_base: float,
+def _rows(head_dim: int, slots: np.ndarray, positions: np.ndarray, n_rot: int, freq_base: float,
           freq_scale: float) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """A step's slots and positions as int32, and the rotation's angle tables for them."""
-    ops._check_n_rot(n_rot, k_pools[0].shape[3])
+    ops._check_n_rot(n_rot, head_dim)
     slots, positions = np.asarray(slots, dtype=np.int32), np.asarray(positions, dtype=np.int32)
     return (slots, positions, *ops._angle_tables(positions, n_rot, float(freq_base), float(freq_scale)))
 
@@ -161,7 +166,7 @@ def decode_layers(plan: DecodePlan, x: np.ndarray, h: np.ndarray, eps: float, k_
     """Every layer of a decode step (one token per sequence, distinct slots): x (B, D) the residual stream and
     h (B, D) its first attention norm on entry; on return x is the last layer's residual and h its output
     norm. k_pools / v_pools from `kernel_pools`. Rotation as `ops.rope_qkv_into_cache` with neox False."""
-    slots, positions, cos_table, sin_table = _rows(k_pools, slots, positions, n_rot, freq_base, freq_scale)
+    slots, positions, cos_table, sin_table = _rows(plan.head_dim, slots, positions, n_rot, freq_base, freq_scale)
     _layers(x, h, plan.qtypes, plan.rows, plan.flips, plan.w_qkv, plan.w_out, plan.w_gate_up, plan.w_down,
             plan.ffn_norms, plan.next_norms, float(eps), k_pools, v_pools, slots, positions, cos_table,
             sin_table, float(scale), n_q_heads, 4 * threads)
@@ -174,8 +179,10 @@ def decode_step(plan: DecodePlan, tokens: np.ndarray, eps: float, k_pools: Any, 
     the embedding, `decode_layers` and the output matmul give them. Raises IndexError for a token id outside the
     embedding, ValueError for a slot or position outside the caches or two rows on one slot."""
     ends = plan.ends
-    slots, positions, cos_table, sin_table = _rows(k_pools, slots, positions, n_rot, freq_base, freq_scale)
+    ops._check_n_rot(n_rot, plan.head_dim)
+    # The angle tables are made inside the compiled step: this Python runs cache-cold after every step.
     return _step(np.ascontiguousarray(tokens, dtype=np.int64), ends.embd_qtype, ends.embd_data, ends.first_norm,
                  ends.out_qtype, ends.out_packed, ends.out_rows, ends.out_flip, plan.qtypes, plan.rows, plan.flips,
                  plan.w_qkv, plan.w_out, plan.w_gate_up, plan.w_down, plan.ffn_norms, plan.next_norms, float(eps),
-                 k_pools, v_pools, slots, positions, cos_table, sin_table, float(scale), n_q_heads, 4 * threads)
+                 k_pools, v_pools, np.asarray(slots, dtype=np.int32), np.asarray(positions, dtype=np.int32), n_rot,
+                 float(freq_base), float(freq_scale), float(scale), n_q_heads, 4 * threads)
