@@ -113,3 +113,48 @@ def test_mask_limits_choices() -> None:
     mask[[10, 20]] = True
     s = Sampler(SamplingParams(temperature=0.0), V)
     assert s.sample(x, mask).token_id == (10 if x[10] > x[20] else 20)
+
+
+def test_sample_rows_gives_each_row_what_sample_gives_it() -> None:
+    """The batched call takes the plain rows (greedy or top-k, with or without bias); masked rows and rows
+    with penalties or logprobs go through Sampler.sample; every row gets the token its sampler alone would
+    draw, step after step (the same random stream)."""
+    from pantheon.engine.sampling import sample_rows
+
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.0, logit_bias={3: 50.0, 7: -100.0}),
+        SamplingParams(temperature=0.8, top_k=40, top_p=0.95, seed=1),
+        SamplingParams(temperature=1.3, top_k=5, top_p=1.0, seed=2, logit_bias={11: 4.0}),
+        SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=3, presence_penalty=0.5),  # per row
+        SamplingParams(temperature=0.0, top_logprobs=2),  # per row
+        SamplingParams(temperature=0.7, top_k=0, top_p=0.9, seed=4),  # no top-k: per row
+        SamplingParams(temperature=0.7, top_k=40, seed=5),  # masked below: per row
+    ]
+    batched = [Sampler(p, V) for p in params]
+    alone = [Sampler(p, V) for p in params]
+    mask = np.zeros(V, dtype=bool)
+    mask[::3] = True
+    rng = np.random.default_rng(7)
+    for _ in range(40):
+        x = (rng.normal(size=(len(params), V)) * 3).astype(np.float32)
+        masks = [None] * (len(params) - 1) + [mask]
+        expected = [s.sample(x[i].copy(), masks[i]) for i, s in enumerate(alone)]
+        got = sample_rows(x.copy(), [(i, s, masks[i]) for i, s in enumerate(batched)])
+        assert [g.token_id for g in got] == [e.token_id for e in expected]
+        assert got[5].top_logprobs == expected[5].top_logprobs
+    assert [s._counts for s in batched] == [s._counts for s in alone]
+
+
+def test_sample_rows_argmax_ties_and_nan_as_numpy() -> None:
+    from pantheon.engine.sampling import sample_rows
+
+    x = np.zeros((3, V), dtype=np.float32)
+    x[0, [5, 9]] = 2.0  # a tie: the first
+    x[1, 4] = np.nan  # NaN wins, as in np.argmax
+    x[2, :] = -np.inf  # nothing allowed: token 0, as np.argmax gives
+    samplers = [Sampler(SamplingParams(temperature=0.0), V) for _ in range(3)]
+    got = sample_rows(x, [(i, s, None) for i, s in enumerate(samplers)])
+    assert [g.token_id for g in got] == [int(np.argmax(r)) for r in x] == [5, 4, 0]
+    with pytest.raises(ValueError, match="every score is -inf"):
+        sample_rows(x[2:].copy(), [(0, Sampler(SamplingParams(temperature=1.0, top_k=5, seed=0), V), None)])

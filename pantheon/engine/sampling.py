@@ -99,6 +99,41 @@ def _nucleus_pick(probs: np.ndarray, total: float, top_p: float, uniform: float)
     return keep - 1
 
 
+@numba.njit(cache=True, nogil=True)
+def _argmax(scores: np.ndarray) -> int:
+    """np.argmax: the first largest score, or the first NaN when there is one."""
+    best = 0
+    top = scores[0]
+    if top != top:
+        return 0
+    for i in range(1, scores.size):
+        x = scores[i]
+        if x != x:
+            return i
+        if x > top:
+            top = x
+            best = i
+    return best
+
+
+@numba.njit(cache=True, nogil=True)
+def _pick_rows(logits, rows, vocab, greedy, ks, temperatures, top_ps, uniforms, bias_ids, bias_values, bias_ends,
+               out):
+    """Sampler.sample for several rows in one nogil call (the plain rows of `sample_rows`): row rows[i] of logits
+    (its first `vocab` scores) gets its bias added in place (ids and values bias_ends[i - 1] .. bias_ends[i]),
+    then out[i] is its argmax (greedy[i]) or a top-k draw with uniforms[i]; -1 when every score is -inf."""
+    start = 0
+    for i in range(rows.size):
+        scores = logits[rows[i], :vocab]
+        for j in range(start, bias_ends[i]):
+            scores[bias_ids[j]] += bias_values[j]
+        start = bias_ends[i]
+        if greedy[i]:
+            out[i] = _argmax(scores)
+        else:
+            out[i] = _sample_top_k(scores, ks[i], temperatures[i], top_ps[i], uniforms[i])
+
+
 @dataclass
 class SampledToken:
     token_id: int
@@ -125,6 +160,17 @@ class Sampler:
         self._bias_ids = np.array([t for t in params.logit_bias if 0 <= t < vocab_size], dtype=np.int64)
         self._bias_values = np.array([params.logit_bias[int(t)] for t in self._bias_ids], dtype=np.float32)
 
+    @property
+    def plain(self) -> bool:
+        """Whether `sample_rows` may take this sampler's rows in its batched call: no penalties, no logprobs,
+        greedy or top-k (the other cases need the whole distribution)."""
+        p = self.params
+        return (p.top_logprobs is None and not p.presence_penalty and not p.frequency_penalty
+                and (p.greedy or 0 < p.top_k < self.vocab_size))
+
+    def _record(self, token: int) -> None:
+        self._counts[token] = self._counts.get(token, 0) + 1
+
     def _processed(self, logits: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
         p = self.params
         out = logits.astype(np.float32, copy=True)
@@ -146,7 +192,7 @@ class Sampler:
             token = int(np.argmax(scores))
         else:
             token = self._sample_stochastic(scores)
-        self._counts[token] = self._counts.get(token, 0) + 1
+        self._record(token)
         result = SampledToken(token)
         if p.top_logprobs is not None:
             # Log-probabilities of the distribution the model gave (after bias/penalties, before temperature
@@ -195,3 +241,42 @@ class Sampler:
                 return candidates, probs
         order = finite[np.argsort(-scaled, kind="stable")]
         return order, weights[order] / total
+
+
+def sample_rows(logits: np.ndarray, picks: list[tuple[int, Sampler, np.ndarray | None]]) -> list[SampledToken]:
+    """`sampler.sample(logits[row], mask)` for every (row, sampler, mask) of a step: the same tokens from the same
+    random draws. The rows of plain samplers without a mask go through one compiled call that gives the GIL up
+    once; per row, numpy's copy and argmax gave it up twice, and under the server each give-up can cost a wait
+    of up to a switch interval to take it back while the event loop holds it. Their bias is added to `logits`
+    in place: the caller's scores, which the step no longer needs."""
+    results: list[SampledToken | None] = [None] * len(picks)
+    fast = [i for i, (_, sampler, mask) in enumerate(picks) if mask is None and sampler.plain]
+    if fast and (logits.dtype != np.float32 or not logits.flags.writeable):
+        logits = np.array(logits, dtype=np.float32)
+    if fast:
+        samplers = [picks[i][1] for i in fast]
+        n = len(fast)
+        params = [s.params for s in samplers]
+        greedy = np.fromiter((p.greedy for p in params), dtype=np.bool_, count=n)
+        # One draw per sampled row, from its own generator, as Sampler.sample makes it.
+        uniforms = np.fromiter((0.0 if p.greedy else s._rng.random() for s, p in zip(samplers, params)),
+                               dtype=np.float64, count=n)
+        bias_ids = np.concatenate([s._bias_ids for s in samplers])
+        bias_values = np.concatenate([s._bias_values for s in samplers])
+        bias_ends = np.cumsum([s._bias_ids.size for s in samplers], dtype=np.int64)
+        tokens = np.empty(n, dtype=np.int64)
+        _pick_rows(logits, np.fromiter((picks[i][0] for i in fast), dtype=np.int64, count=n),
+                   min(samplers[0].vocab_size, logits.shape[1]), greedy,
+                   np.fromiter((p.top_k for p in params), dtype=np.int64, count=n),
+                   np.fromiter((p.temperature for p in params), dtype=np.float64, count=n),
+                   np.fromiter((p.top_p for p in params), dtype=np.float64, count=n),
+                   uniforms, bias_ids, bias_values, bias_ends, tokens)
+        for i, sampler, token in zip(fast, samplers, tokens.tolist()):
+            if token < 0:
+                raise ValueError("no token is allowed: every score is -inf")
+            sampler._record(token)
+            results[i] = SampledToken(token)
+    for i, (row, sampler, mask) in enumerate(picks):
+        if results[i] is None:
+            results[i] = sampler.sample(logits[row], mask)
+    return results  # type: ignore[return-value]

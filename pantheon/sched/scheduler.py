@@ -35,7 +35,7 @@ import trio
 
 from pantheon.engine.loader import LoadedModel
 from pantheon.engine.repetition import RepetitionDetector
-from pantheon.engine.sampling import SampledToken, Sampler
+from pantheon.engine.sampling import SampledToken, Sampler, sample_rows
 from pantheon.engine.sessions import SessionTable, SlotInfo
 from pantheon.errors import ApiError
 from pantheon.metrics import Metrics
@@ -464,6 +464,8 @@ class Scheduler:
                 if active.prefilling and end in (active.job.history_end, len(active.job.prompt)):
                     active.checkpoint = model.snapshot_slot(self.state, row.slot)
         samples: list[SampledToken | None] = []
+        picks: list[tuple[int, Sampler, np.ndarray | None]] = []  # (logits row, sampler, mask) to sample
+        picked_at: list[int] = []  # where each pick's token goes in samples
         li = 0
         for row, active in zip(rows, owners):
             if row.logits == "none":
@@ -474,9 +476,12 @@ class Scheduler:
             if forced is not None:
                 samples.append(SampledToken(forced))
             else:
-                mask = controller.mask() if controller is not None else None
-                samples.append(active.sampler.sample(logits[li], mask))
+                picks.append((li, active.sampler, controller.mask() if controller is not None else None))
+                picked_at.append(len(samples))
+                samples.append(None)
             li += 1
+        for at, sampled in zip(picked_at, sample_rows(logits, picks)):
+            samples[at] = sampled
         return samples
 
     def _note_timing(self, rows: list[BatchRow], prefill: bool, seconds: float) -> None:
