@@ -271,7 +271,7 @@ class LlamaModel:
         positions = be.upload(np.concatenate(
             [np.arange(r.start_pos, r.start_pos + n, dtype=np.int32) for r, n in zip(batch, lengths)]))
         token_slots = be.upload(np.repeat(np.array([r.slot for r in batch], dtype=np.int32), lengths))
-        scale = 1.0 / float(np.sqrt(c.head_dim))
+        scale = self._attention_scale
 
         plan = plan if decode_only else None
         if plan is not None and state.kernel_pools is None:
