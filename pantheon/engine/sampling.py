@@ -251,9 +251,9 @@ def sample_rows(logits: np.ndarray, picks: list[tuple[int, Sampler, np.ndarray |
     in place: the caller's scores, which the step no longer needs."""
     results: list[SampledToken | None] = [None] * len(picks)
     fast = [i for i, (_, sampler, mask) in enumerate(picks) if mask is None and sampler.plain]
-    if fast and (logits.dtype != np.float32 or not logits.flags.writeable):
-        logits = np.array(logits, dtype=np.float32)
     if fast:
+        if logits.dtype != np.float32 or not logits.flags.writeable:
+            logits = np.array(logits, dtype=np.float32)
         samplers = [picks[i][1] for i in fast]
         n = len(fast)
         params = [s.params for s in samplers]

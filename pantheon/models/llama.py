@@ -260,6 +260,8 @@ class LlamaModel:
             if row.start_pos + len(row.tokens) > state.ctx_cap:
                 raise ValueError(f"slot {row.slot}: {row.start_pos}+{len(row.tokens)} tokens exceed ctx {state.ctx_cap}")
         plan = self._decode_plan
+        if plan is not None and state.kernel_pools is None:
+            state.kernel_pools = (be.kernel_pools(state.k), be.kernel_pools(state.v))
         if (plan is not None and plan.ends is not None
                 and all(len(r.tokens) == 1 and r.logits == "last" for r in batch)):
             return self._prepared_decode_step(state, batch, plan)
@@ -271,12 +273,8 @@ class LlamaModel:
         positions = be.upload(np.concatenate(
             [np.arange(r.start_pos, r.start_pos + n, dtype=np.int32) for r, n in zip(batch, lengths)]))
         token_slots = be.upload(np.repeat(np.array([r.slot for r in batch], dtype=np.int32), lengths))
-        scale = self._attention_scale
-
         plan = plan if decode_only else None
-        if plan is not None and state.kernel_pools is None:
-            state.kernel_pools = (be.kernel_pools(state.k), be.kernel_pools(state.v))
-        return lambda: self._compute(state, batch, plan, tokens, positions, token_slots, offsets, scale)
+        return lambda: self._compute(state, batch, plan, tokens, positions, token_slots, offsets)
 
     def _prepared_decode_step(self, state: KVState, batch: list[BatchRow], plan: Any) -> Callable[[], np.ndarray]:
         """A decode step (one token per row, logits for each) whose embedding-to-logits path is one compiled call
@@ -287,8 +285,6 @@ class LlamaModel:
         tokens = np.fromiter((r.tokens[0] for r in batch), dtype=np.int64, count=n)
         positions = np.fromiter((r.start_pos for r in batch), dtype=np.int32, count=n)
         slots = np.fromiter((r.slot for r in batch), dtype=np.int32, count=n)
-        if state.kernel_pools is None:
-            state.kernel_pools = (be.kernel_pools(state.k), be.kernel_pools(state.v))
 
         def whole_step() -> np.ndarray:
             logits = be.decode_step(plan, tokens, c.rms_eps, *state.kernel_pools, slots, positions, c.n_heads,
@@ -298,8 +294,9 @@ class LlamaModel:
         return whole_step
 
     def _compute(self, state: KVState, batch: list[BatchRow], plan: Any, tokens: Any, positions: Any,
-                 token_slots: Any, offsets: np.ndarray, scale: float) -> np.ndarray:
+                 token_slots: Any, offsets: np.ndarray) -> np.ndarray:
         c, be = self.config, self.backend
+        scale = self._attention_scale
         n_tok = int(offsets[-1])
         decode_only = n_tok == len(batch)
         x = be.embed(self.tok_embd, tokens)
