@@ -6,7 +6,9 @@ a real `pantheon serve` on the default model; plus single-stream HTTP decode vs 
 The levels are measured in rounds (1, 2, 4, 8, then again), so every level sees the same drift of the machine's
 speed; the table shows medians over the rounds, and the ratio to 1 stream is also given round by round.
 Each stream is a streamed greedy chat completion (end tokens forbidden with logit_bias, so every stream
-decodes exactly --tokens tokens; too short for the repetition detector). Per level:
+decodes exactly --tokens tokens; too short for the repetition detector), read by `bench/sse_client.py` (all
+streams from one thread over raw sockets: the clients share the server's 2 cores, and httpx on a thread per
+stream took ~420 us of CPU per token). Per level:
 
   aggregate decode tok/s  tokens received while *all* streams were decoding (from the last stream's first
                           token to the first stream's end) / that window: the batched decode rate, free of
@@ -28,18 +30,16 @@ import os
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import numpy as np
-import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import default_model, write_result  # noqa: E402
+from bench.sse_client import stream_chat_completions  # noqa: E402
 from tests.server_process import ServerProcess  # noqa: E402
 
 PROMPTS = [
@@ -67,60 +67,30 @@ def end_token_ids(path: Path) -> list[int]:
     return ids
 
 
-def one_stream(url: str, body: dict[str, Any], out: dict[str, Any], go: threading.Event) -> None:
-    go.wait()
-    out["sent"] = time.monotonic()
-    times: list[float] = []
-    with httpx.stream("POST", url, json=body, timeout=600) as r:
-        if r.status_code != 200:
-            out["error"] = f"{r.status_code} {r.read()[:200]!r}"
-            return
-        for line in r.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            event = orjson.loads(line[6:])
-            if event.get("usage"):
-                out["completion_tokens"] = event["usage"]["completion_tokens"]
-            for choice in event["choices"]:
-                if choice["delta"].get("content"):
-                    times.append(time.monotonic())
-    out["times"] = times
-    out["end"] = time.monotonic()
-
-
 def run_level(server: ServerProcess, n: int, tokens: int, bias: dict[str, float], temperature: float = 0.0
               ) -> dict[str, Any]:
-    url = server.base_url + "/v1/chat/completions"
-    outs: list[dict[str, Any]] = [{} for _ in range(n)]
-    go = threading.Event()
-    threads = []
-    for i in range(n):
-        body = {"messages": [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}], "temperature": temperature,
-                "max_tokens": tokens, "logit_bias": bias, "stream": True, "stream_options": {"include_usage": True}}
-        t = threading.Thread(target=one_stream, args=(url, body, outs[i], go), daemon=True)
-        t.start()
-        threads.append(t)
-    go.set()
-    for t in threads:
-        t.join()
-    errors = [o["error"] for o in outs if "error" in o]
+    bodies = [{"messages": [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}], "temperature": temperature,
+               "max_tokens": tokens, "logit_bias": bias, "stream": True, "stream_options": {"include_usage": True}}
+              for i in range(n)]
+    outs = stream_chat_completions("127.0.0.1", server.port, bodies)
+    errors = [o.error for o in outs if o.error is not None]
     if errors:
         raise SystemExit(f"{n} streams: {errors}")
-    firsts = [o["times"][0] for o in outs]
-    ends = [o["times"][-1] for o in outs]
-    start = min(o["sent"] for o in outs)
+    firsts = [o.times[0] for o in outs]
+    ends = [o.times[-1] for o in outs]
+    start = min(o.sent for o in outs)
     lo, hi = max(firsts), min(ends)
-    in_window = sum(1 for o in outs for t in o["times"] if lo < t <= hi)
-    total = sum(o.get("completion_tokens", len(o["times"])) for o in outs)
-    chunks = sum(len(o["times"]) for o in outs)
+    in_window = sum(1 for o in outs for t in o.times if lo < t <= hi)
+    total = sum(o.completion_tokens if o.completion_tokens is not None else len(o.times) for o in outs)
+    chunks = sum(len(o.times) for o in outs)
     window_ok = hi - lo > 0.5 and in_window >= 4 * n
     return {
         "streams": n,
         "aggregate_decode_tok_s": in_window / (hi - lo) if window_ok else chunks / (max(ends) - min(firsts)),
         "window_s": hi - lo,
         "overall_tok_s": total / (max(ends) - start),
-        "ttft_median_s": statistics.median(f - o["sent"] for f, o in zip(firsts, outs)),
-        "ttft_max_s": max(f - o["sent"] for f, o in zip(firsts, outs)),
+        "ttft_median_s": statistics.median(f - o.sent for f, o in zip(firsts, outs)),
+        "ttft_max_s": max(f - o.sent for f, o in zip(firsts, outs)),
         "completion_tokens": total,
         "content_chunks": chunks,
         "wall_s": max(ends) - start,
