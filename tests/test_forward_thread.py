@@ -110,6 +110,59 @@ async def test_a_stream_job_that_raises_ends_the_stream_with_its_error() -> None
     forward.close()
 
 
+async def test_a_stream_with_on_value_hands_each_value_over_on_the_event_loop_in_order() -> None:
+    forward = ForwardThread()
+    loop_thread = threading.get_ident()
+    taken: list[tuple[int, bool]] = []
+
+    def job(emit, stream, n: int) -> None:
+        for i in range(n):
+            emit(i)
+            time.sleep(0.002)
+
+    stream = forward.stream(job, 5, on_value=lambda v: taken.append((v, threading.get_ident() == loop_thread)))
+    try:
+        with trio.fail_after(10):
+            assert await stream.next() is None  # values never come out of next(): only the end does
+    finally:
+        await stream.close()
+    assert taken == [(i, True) for i in range(5)]
+    forward.close()
+
+
+async def test_an_on_value_that_raises_stops_the_job_and_next_raises_it() -> None:
+    """The error surfaces in the caller's task (not in the event loop's callback), the job is asked to stop,
+    later values are dropped, and close() still waits for the job to return."""
+    forward = ForwardThread()
+    taken: list[int] = []
+    returned = threading.Event()
+
+    def job(emit, stream) -> None:
+        i = 0
+        while not stream.stop:
+            emit(i)
+            i += 1
+            time.sleep(0.005)
+        time.sleep(0.1)
+        emit(-1)
+        returned.set()
+
+    def on_value(v: int) -> None:
+        if v == 3:
+            raise KeyError("bad value")
+        taken.append(v)
+
+    stream = forward.stream(job, on_value=on_value)
+    with trio.fail_after(10):
+        with pytest.raises(KeyError, match="bad value"):
+            await stream.next()
+        assert stream.stop
+        await stream.close()
+    assert returned.is_set() and stream.ended and taken == [0, 1, 2]
+    assert await forward.run(lambda: "after") == "after"
+    forward.close()
+
+
 async def test_closing_a_stream_stops_the_job_and_waits_for_it_even_when_cancelled() -> None:
     """close() sets `stop` (the job ends at its next check) and, shielded, waits until the job has returned."""
     forward = ForwardThread()

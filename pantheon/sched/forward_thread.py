@@ -26,19 +26,38 @@ import trio
 _Deliver = Callable[[outcome.Outcome], None]
 
 
+class _OnValueFailed:
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
 class StepStream:
     """The results a `ForwardThread.stream` job emits, in order, on the event loop. `stop` asks the job to end at
     its next chance (the job reads it between steps)."""
 
     _END = object()
 
-    def __init__(self) -> None:
+    def __init__(self, on_value: Callable[[Any], None] | None = None) -> None:
         self._send, self._receive = trio.open_memory_channel[outcome.Outcome](math.inf)
+        self._on_value = on_value
+        self._on_value_failed = False
         self.stop = False
         self.ended = False
 
     def _put(self, result: outcome.Outcome) -> None:  # event loop, via run_sync_soon
         self._send.send_nowait(result)
+
+    def _take(self, value: Any) -> None:  # event loop, via run_sync_soon: an emitted value, to `on_value`
+        if self._on_value_failed:
+            return  # the job was asked to stop; what it still emits is dropped
+        try:
+            self._on_value(value)  # type: ignore[misc]
+        except Exception as exc:
+            # Never out of a run_sync_soon callback (that would crash the event loop): `next` raises it, in the
+            # caller's task. The job is asked to stop, and `close` still waits for it to return.
+            self._on_value_failed = True
+            self.stop = True
+            self._send.send_nowait(outcome.Value(_OnValueFailed(exc)))
 
     async def next(self) -> Any:
         """The next emitted result; None once the job has returned. The job's exception, if it raised."""
@@ -48,6 +67,8 @@ class StepStream:
         if isinstance(result, outcome.Value) and result.value is StepStream._END:
             self.ended = True
             return None
+        if isinstance(result, outcome.Value) and isinstance(result.value, _OnValueFailed):
+            raise result.value.error
         if isinstance(result, outcome.Error):
             self.ended = True
         return result.unwrap()
@@ -104,16 +125,24 @@ class ForwardThread:
         self._jobs.put((fn, args, lambda result: token.run_sync_soon(trio.lowlevel.reschedule, task, result)))
         return await trio.lowlevel.wait_task_rescheduled(lambda _: trio.lowlevel.Abort.FAILED)
 
-    def stream(self, fn: Callable[..., Any], *args: Any) -> StepStream:
+    def stream(self, fn: Callable[..., Any], *args: Any, on_value: Callable[[Any], None] | None = None
+               ) -> StepStream:
         """Start fn(emit, stream, *args) on the forward thread (from the event loop): each emit(x) hands x to
         `StepStream.next` at once, while fn goes on. The caller must `await stream.close()` when done with it
-        (in a finally: it waits for fn to return)."""
+        (in a finally: it waits for fn to return).
+
+        With `on_value`, each emitted x is given to on_value(x) on the event loop as it arrives, in order, in
+        the wake-up that brings it, and `next` only reports the end (or raises what on_value raised): the
+        values skip a turn of the caller's task, one scheduling round of the event loop per value."""
         self._ensure_started()
-        stream = StepStream()
+        stream = StepStream(on_value)
         token = trio.lowlevel.current_trio_token()
 
         def emit(value: Any) -> None:
-            token.run_sync_soon(stream._put, outcome.Value(value))
+            if on_value is not None:
+                token.run_sync_soon(stream._take, value)
+            else:
+                token.run_sync_soon(stream._put, outcome.Value(value))
 
         def finish(result: outcome.Outcome) -> None:
             token.run_sync_soon(stream._put, outcome.Value(StepStream._END) if isinstance(result, outcome.Value)

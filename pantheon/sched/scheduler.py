@@ -273,7 +273,7 @@ class Scheduler:
 
     async def _decode_run(self, rows: list[BatchRow], owners: list[Active]) -> None:
         """Decode steps of a rewindable model, run back to back by the forward thread (`_decode_chain`) for as
-        long as nothing needs a new plan, each step's tokens delivered here while the next one computes.
+        long as nothing needs a new plan, each step's tokens delivered (`_take_step`) while the next one computes.
 
         Handing every step back to this loop and waiting for it to submit the next one cost ~0.6 ms of a ~4 ms
         batch-1 step on the 2-core test VM (the wake-up of the event loop, this loop's turn, then the forward
@@ -281,19 +281,25 @@ class Scheduler:
         runs (a stop string, repetition, a client gone) has that step's token dropped by `_deliver`: not in
         its slot's history, so the position it wrote counts for nothing."""
         made = [len(a.generated) for a in owners]
-        stream = self.forward_thread.stream(self._decode_chain, rows, owners, made)
+        stream = self.forward_thread.stream(self._decode_chain, rows, owners, made, on_value=self._take_step)
         try:
-            while (step := await stream.next()) is not None:
-                if step.error is not None:  # a failed forward fails its jobs, never the scheduler
-                    log.error("forward step failed", exc_info=step.error)
-                    self._fail([a for a in step.owners if not a.released], step.error)
-                    continue
-                self.steps_run += 1
-                self._note_timing(step.rows, False, step.seconds)
-                self._deliver(step.rows, step.owners, step.samples)
-                self._drop_cancelled()
+            while await stream.next() is not None:
+                pass  # the steps are taken by _take_step as they arrive; this waits for the run's end
         finally:
             await stream.close()
+
+    def _take_step(self, step: StepResult) -> None:
+        """Event loop, in the wake-up that brings a decode run's step: its tokens go out to the jobs. Done there
+        rather than in this scheduler's task saves the loop a scheduling round per step (A/B over HTTP on the
+        2-core VM: +0.8% at 1 and at 8 streams, 10 rounds; small, but it is work taken off the loop)."""
+        if step.error is not None:  # a failed forward fails its jobs, never the scheduler
+            log.error("forward step failed", exc_info=step.error)
+            self._fail([a for a in step.owners if not a.released], step.error)
+            return
+        self.steps_run += 1
+        self._note_timing(step.rows, False, step.seconds)
+        self._deliver(step.rows, step.owners, step.samples)
+        self._drop_cancelled()
 
     def _decode_chain(self, emit: Any, stream: Any, rows: list[BatchRow], owners: list[Active],
                       made: list[int]) -> None:
