@@ -158,3 +158,31 @@ def test_sample_rows_argmax_ties_and_nan_as_numpy() -> None:
     assert [g.token_id for g in got] == [int(np.argmax(r)) for r in x] == [5, 4, 0]
     with pytest.raises(ValueError, match="every score is -inf"):
         sample_rows(x[2:].copy(), [(0, Sampler(SamplingParams(temperature=1.0, top_k=5, seed=0), V), None)])
+
+
+def test_argmax_over_a_large_vocab_matches_numpy() -> None:
+    """`_argmax`'s blocked passes: ties across and inside blocks, NaNs anywhere, -inf, signed zeros, a tail
+    shorter than a block, and vocabularies smaller than one."""
+    from pantheon.engine.sampling import _argmax
+
+    rng = np.random.default_rng(7)
+    for n in (1, 5, 63, 64, 65, 1000, 49152, 49155):
+        for case in range(8):
+            x = rng.normal(size=n).astype(np.float32)
+            if case == 1:
+                x[rng.integers(0, n, max(1, n // 10))] = -np.inf
+            elif case == 2:  # ties of the maximum, the first one wins
+                x[rng.integers(0, n, 3)] = x.max() + 1.0
+            elif case == 3:
+                x[rng.integers(0, n, 2)] = np.nan
+            elif case == 4:
+                x[:] = -np.inf
+            elif case == 5:
+                x[:] = -1.0
+                x[rng.integers(0, n, 4)] = 0.0
+                x[rng.integers(0, n, 4)] = -0.0
+            elif case == 6:
+                x[-1] = x.max() + 1.0  # in the tail
+            elif case == 7:
+                x[-1] = np.nan
+            assert _argmax(x) == int(np.argmax(x)), (n, case)

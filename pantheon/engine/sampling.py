@@ -99,21 +99,62 @@ def _nucleus_pick(probs: np.ndarray, total: float, top_p: float, uniform: float)
     return keep - 1
 
 
+# Scores per block of `_argmax`'s first pass: 4 vectors of 16 float32, so that LLVM's loop vectorizer turns the
+# inner loop into vector compares and blends with four independent chains.
+_ARGMAX_BLOCK = 64
+
+
 @numba.njit(cache=True, nogil=True)
 def _argmax(scores: np.ndarray) -> int:
-    """np.argmax: the first largest score, or the first NaN when there is one."""
-    best = 0
+    """np.argmax: the first largest score, or the first NaN when there is one.
+
+    A plain scan (a compare and a branch per score) is not vectorized, and took ~35 us over SmolLM2's 49152
+    scores: 0.3-0.4 ms of an 8-row greedy step. Here a first pass keeps a block's worth of running maxima
+    and NaN counts (vectorized), and a second finds the first score equal to the maximum, a block at a time."""
+    n = scores.size
+    width = _ARGMAX_BLOCK
+    blocks = n // width
     top = scores[0]
     if top != top:
         return 0
-    for i in range(1, scores.size):
+    nans = 0
+    if blocks:
+        tops = np.empty(width, dtype=np.float32)
+        seen_nan = np.zeros(width, dtype=np.int32)
+        for j in range(width):
+            tops[j] = scores[j]
+        for b in range(blocks):
+            base = b * width
+            for j in range(width):
+                x = scores[base + j]
+                seen_nan[j] += x != x
+                tops[j] = x if x > tops[j] else tops[j]
+        for j in range(width):
+            nans += seen_nan[j]
+            if tops[j] > top:
+                top = tops[j]
+    for i in range(blocks * width, n):
         x = scores[i]
-        if x != x:
-            return i
+        nans += x != x
         if x > top:
             top = x
-            best = i
-    return best
+    if nans:
+        for i in range(n):
+            if scores[i] != scores[i]:
+                return i
+    for b in range(blocks):
+        base = b * width
+        hits = 0
+        for j in range(width):
+            hits += scores[base + j] == top
+        if hits:
+            for i in range(base, base + width):
+                if scores[i] == top:
+                    return i
+    for i in range(blocks * width, n):
+        if scores[i] == top:
+            return i
+    return 0
 
 
 @numba.njit(cache=True, nogil=True)
