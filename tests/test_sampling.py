@@ -186,3 +186,24 @@ def test_argmax_over_a_large_vocab_matches_numpy() -> None:
             elif case == 7:
                 x[-1] = np.nan
             assert _argmax(x) == int(np.argmax(x)), (n, case)
+
+
+@pytest.mark.parametrize("k", [1, 2, 40, 64, 65])
+def test_top_k_over_a_large_vocab_matches_a_stable_sort(k: int) -> None:
+    """The blocked first pass of top_k: ties (many equal scores around the k-th), -inf and NaN, a tail shorter
+    than a block, and rows with fewer than k finite scores."""
+    rng = np.random.default_rng(100 + k)
+    for n, case in [(49152, 0), (49155, 1), (49155, 2), (3000, 3), (130, 4)]:
+        x = (rng.normal(size=n) * 3).astype(np.float32) if case != 1 else rng.integers(-5, 5, n).astype(np.float32)
+        if case == 2:
+            x[rng.choice(n, n // 3, replace=False)] = -np.inf
+            x[rng.choice(n, 7, replace=False)] = np.nan
+            x[-2] = x[np.isfinite(x)].max() + 1.0  # the best score in the tail
+        if case == 3:  # fewer finite scores than k
+            x[:] = -np.inf
+            x[rng.choice(n, k // 2, replace=False)] = 1.0
+        if case == 4:
+            x[rng.choice(n, 10, replace=False)] = np.nan
+        valid = np.flatnonzero(np.isfinite(x))
+        expected = valid[np.lexsort((valid, -x[valid]))][:k]
+        assert top_k(x, k).tolist() == expected.tolist(), (n, case)
