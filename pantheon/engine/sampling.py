@@ -33,6 +33,8 @@ class SamplingParams:
 # Scores per block of the first passes of `_argmax` and `top_k`: 4 vectors of 16 float32, so that LLVM's loop
 # vectorizer turns their inner loops into vector compares and blends with four independent chains.
 _BLOCK = 64
+_NO_BIAS_IDS = np.empty(0, dtype=np.int64)
+_NO_BIAS_VALUES = np.empty(0, dtype=np.float32)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -186,22 +188,27 @@ def _argmax(scores: np.ndarray) -> int:
     return 0
 
 
+# Columns of `_pick_rows`' table: one row per sampled logits row.
+_ROW, _GREEDY, _TOP_K, _TEMPERATURE, _TOP_P, _UNIFORM = range(6)
+
+
 @numba.njit(cache=True, nogil=True)
-def _pick_rows(logits, rows, vocab, greedy, ks, temperatures, top_ps, uniforms, bias_ids, bias_values, bias_ends,
-               out):
-    """Sampler.sample for several rows in one nogil call (the plain rows of `sample_rows`): row rows[i] of logits
-    (its first `vocab` scores) gets its bias added in place (ids and values bias_ends[i - 1] .. bias_ends[i]),
-    then out[i] is its argmax (greedy[i]) or a top-k draw with uniforms[i]; -1 when every score is -inf."""
+def _pick_rows(logits, table, vocab, bias_ids, bias_values, bias_ends, out):
+    """Sampler.sample for several rows in one nogil call (the plain rows of `sample_rows`): row table[i, _ROW] of
+    logits (its first `vocab` scores) gets its bias added in place (ids and values bias_ends[i - 1] ..
+    bias_ends[i]), then out[i] is its argmax (greedy) or a top-k draw with its uniform; -1 when every score is
+    -inf."""
     start = 0
-    for i in range(rows.size):
-        scores = logits[rows[i], :vocab]
+    for i in range(table.shape[0]):
+        scores = logits[int(table[i, _ROW]), :vocab]
         for j in range(start, bias_ends[i]):
             scores[bias_ids[j]] += bias_values[j]
         start = bias_ends[i]
-        if greedy[i]:
+        if table[i, _GREEDY]:
             out[i] = _argmax(scores)
         else:
-            out[i] = _sample_top_k(scores, ks[i], temperatures[i], top_ps[i], uniforms[i])
+            out[i] = _sample_top_k(scores, int(table[i, _TOP_K]), table[i, _TEMPERATURE], table[i, _TOP_P],
+                                   table[i, _UNIFORM])
 
 
 @dataclass
@@ -229,14 +236,12 @@ class Sampler:
         self._counts: dict[int, int] = {}
         self._bias_ids = np.array([t for t in params.logit_bias if 0 <= t < vocab_size], dtype=np.int64)
         self._bias_values = np.array([params.logit_bias[int(t)] for t in self._bias_ids], dtype=np.float32)
-
-    @property
-    def plain(self) -> bool:
-        """Whether `sample_rows` may take this sampler's rows in its batched call: no penalties, no logprobs,
-        greedy or top-k (the other cases need the whole distribution)."""
-        p = self.params
-        return (p.top_logprobs is None and not p.presence_penalty and not p.frequency_penalty
-                and (p.greedy or 0 < p.top_k < self.vocab_size))
+        # Whether `sample_rows` may take this sampler's rows in its batched call: no penalties, no logprobs,
+        # greedy or top-k (the other cases need the whole distribution); and its columns of that call's table.
+        self.plain = (params.top_logprobs is None and not params.presence_penalty and not params.frequency_penalty
+                      and (params.greedy or 0 < params.top_k < vocab_size))
+        self._spec = (1.0 if params.greedy else 0.0, float(params.top_k), float(params.temperature),
+                      float(params.top_p))
 
     def _record(self, token: int) -> None:
         self._counts[token] = self._counts.get(token, 0) + 1
@@ -318,7 +323,11 @@ def sample_rows(logits: np.ndarray, picks: list[tuple[int, Sampler, np.ndarray |
     random draws. The rows of plain samplers without a mask go through one compiled call that gives the GIL up
     once; per row, numpy's copy and argmax gave it up twice, and under the server each give-up can cost a wait
     of up to a switch interval to take it back while the event loop holds it. Their bias is added to `logits`
-    in place: the caller's scores, which the step no longer needs."""
+    in place: the caller's scores, which the step no longer needs.
+
+    Its Python runs after every decode step, with the caches cold from the step's weights: ~10 us per numpy
+    call there. So the rows' parameters go in as one table (a float64 array built in one call), and rows
+    without a bias need no bias arrays built."""
     results: list[SampledToken | None] = [None] * len(picks)
     fast = [i for i, (_, sampler, mask) in enumerate(picks) if mask is None and sampler.plain]
     if fast:
@@ -326,21 +335,18 @@ def sample_rows(logits: np.ndarray, picks: list[tuple[int, Sampler, np.ndarray |
             logits = np.array(logits, dtype=np.float32)
         samplers = [picks[i][1] for i in fast]
         n = len(fast)
-        params = [s.params for s in samplers]
-        greedy = np.fromiter((p.greedy for p in params), dtype=np.bool_, count=n)
         # One draw per sampled row, from its own generator, as Sampler.sample makes it.
-        uniforms = np.fromiter((0.0 if p.greedy else s._rng.random() for s, p in zip(samplers, params)),
-                               dtype=np.float64, count=n)
-        bias_ids = np.concatenate([s._bias_ids for s in samplers])
-        bias_values = np.concatenate([s._bias_values for s in samplers])
-        bias_ends = np.cumsum([s._bias_ids.size for s in samplers], dtype=np.int64)
+        table = np.array([(picks[i][0], *s._spec, 0.0 if s.params.greedy else s._rng.random())
+                          for i, s in zip(fast, samplers)], dtype=np.float64)
+        if any(s._bias_ids.size for s in samplers):
+            bias_ids = np.concatenate([s._bias_ids for s in samplers])
+            bias_values = np.concatenate([s._bias_values for s in samplers])
+            bias_ends = np.cumsum([s._bias_ids.size for s in samplers], dtype=np.int64)
+        else:
+            bias_ids, bias_values, bias_ends = _NO_BIAS_IDS, _NO_BIAS_VALUES, np.zeros(n, dtype=np.int64)
         tokens = np.empty(n, dtype=np.int64)
-        _pick_rows(logits, np.fromiter((picks[i][0] for i in fast), dtype=np.int64, count=n),
-                   min(samplers[0].vocab_size, logits.shape[1]), greedy,
-                   np.fromiter((p.top_k for p in params), dtype=np.int64, count=n),
-                   np.fromiter((p.temperature for p in params), dtype=np.float64, count=n),
-                   np.fromiter((p.top_p for p in params), dtype=np.float64, count=n),
-                   uniforms, bias_ids, bias_values, bias_ends, tokens)
+        _pick_rows(logits, table, min(samplers[0].vocab_size, logits.shape[1]), bias_ids, bias_values, bias_ends,
+                   tokens)
         for i, sampler, token in zip(fast, samplers, tokens.tolist()):
             if token < 0:
                 raise ValueError("no token is allowed: every score is -inf")
