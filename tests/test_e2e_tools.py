@@ -71,9 +71,12 @@ def check_call_or_cut(body: dict, max_tokens: int, name: str | None = None) -> b
 
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_required_returns_one_well_formed_call(smollm_server: ServerProcess, prompt: str) -> None:
+    # The 135M model finishes its call within 256 tokens for 50-75% of the seeds, depending on the prompt (12
+    # seeds each, measured): with 3 seeds, all three failing happened by chance after a change in the last bits
+    # of the logits. With 8, that chance is under 0.4%.
     made = [check_call_or_cut(chat(smollm_server, messages=[{"role": "user", "content": prompt}], tools=TOOLS,
                                    tool_choice="required", temperature=0.7, seed=seed, max_tokens=256), 256)
-            for seed in range(3)]
+            for seed in range(8)]
     assert any(made), made
 
 
@@ -290,4 +293,7 @@ async def test_constraint_holds_for_8_concurrent_streams(eight_slot_server: Serv
             nursery.start_soon(one, i)
     assert len(results) == 8
     made = [check_call_or_cut(body, 200) for body in results]
-    assert sum(made) >= 4, made
+    # Every body was checked above: a well-formed call, or a turn cut inside one and reported. How many finish
+    # is the model's luck (50-75% a seed, see test_required_returns_one_well_formed_call): at least 4 of 8 failed
+    # by chance ~6% of the time; at least 2, ~0.2%.
+    assert sum(made) >= 2, made

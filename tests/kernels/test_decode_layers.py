@@ -89,3 +89,99 @@ def test_a_refused_step_writes_nothing(tmp_path) -> None:
         model.forward(state, [BatchRow(1, np.array([model.vocab_size + 5], np.int32), 5)])
     for a, b in zip(before, state.k + state.v):
         np.testing.assert_array_equal(a, b)
+
+
+def _prefilled(model, starts: list[int], seed: int):
+    rng = np.random.default_rng(seed)
+    state = model.new_state(6, 1200)
+    slots = rng.permutation(6)[: len(starts)].astype(np.int32)
+    for slot, start in zip(slots, starts):
+        model.forward(state, [BatchRow(int(slot), rng.integers(0, 500, start).astype(np.int32), 0)])
+    return state, slots
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_1])
+@pytest.mark.parametrize("starts", [[9], [3, 530, 40], [5, 6, 7, 8, 9, 600]])
+def test_a_team_of_two_gives_the_bits_of_a_team_of_one(tmp_path, qtype, starts) -> None:
+    """`_team_step` with its work shared by two threads meeting at barriers, and by one: the same logits and
+    caches, bit for bit, with fewer rows than threads and more, and keys split into runs (a phase that read
+    before another's writes were done, or a share written twice or never, would show here)."""
+    from pantheon.kernels.cpu import decode_layers as dl
+    from pantheon.kernels.cpu import team
+
+    model = tiny(tmp_path, qtype, heads=4, kv_heads=2)
+    plan, c = model._decode_plan, model.config
+    (team_state, slots), (plain_state, _) = _prefilled(model, starts, 1), _prefilled(model, starts, 1)
+    tokens = np.full(len(starts), 3)
+    for step in range(3):
+        positions = np.array(starts, dtype=np.int32) + step
+        logits = []
+        for state in (team_state, plain_state):
+            args = dl.step_args(plan, tokens, c.rms_eps, dl.kernel_pools(state.k), dl.kernel_pools(state.v), slots,
+                                positions, c.n_heads, c.rope_dim, c.rope_base, c.rope_scale, 1 / np.sqrt(c.head_dim))
+            out, completed = dl._team_step(2 if state is team_state else 1, team.SPIN_LIMIT, *args)
+            assert completed
+            logits.append(out)
+        np.testing.assert_array_equal(logits[0], logits[1])
+        tokens = np.argmax(logits[0], axis=1)
+    for a, b in zip(team_state.k + team_state.v, plain_state.k + plain_state.v):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_team_that_never_meets_gives_up_and_the_plain_step_redoes_it(tmp_path, monkeypatch) -> None:
+    """With one numba thread for a team of two, both iterations run on it one after the other: the first waits
+    at its first barrier for spin_limit pauses, gives the team up, and the second leaves at once. decode_step
+    then runs a team of one, whose logits and caches are those of a step that was never given up."""
+    import numba
+
+    from pantheon.kernels.cpu import decode_layers as dl
+    from pantheon.kernels.cpu import team
+
+    model = tiny(tmp_path, Q.Q4_1, heads=4, kv_heads=2)
+    plan, c = model._decode_plan, model.config
+    (state, slots), (plain_state, _) = _prefilled(model, [4, 70], 2), _prefilled(model, [4, 70], 2)
+    positions = np.array([4, 70], dtype=np.int32)
+
+    def run(s, **kw):
+        return dl.decode_step(plan, np.array([3, 5]), c.rms_eps, dl.kernel_pools(s.k), dl.kernel_pools(s.v), slots,
+                              positions, c.n_heads, c.rope_dim, c.rope_base, c.rope_scale, 1 / np.sqrt(c.head_dim),
+                              **kw)
+
+    before = numba.get_num_threads()
+    numba.set_num_threads(1)
+    try:
+        args = dl.step_args(plan, np.array([3, 5]), c.rms_eps, dl.kernel_pools(state.k), dl.kernel_pools(state.v),
+                            slots, positions, c.n_heads, c.rope_dim, c.rope_base, c.rope_scale,
+                            1 / np.sqrt(c.head_dim))
+        assert not dl._team_step(2, 2000, *args)[1]
+        monkeypatch.setattr(dl, "_team_size", lambda threads: 2)
+        monkeypatch.setattr(team, "SPIN_LIMIT", 2000)
+        fallbacks = dl.team_fallbacks
+        logits = run(state, threads=2)
+        assert dl.team_fallbacks == fallbacks + 1
+    finally:
+        numba.set_num_threads(before)
+    monkeypatch.undo()
+    np.testing.assert_array_equal(logits, run(plain_state, threads=1))
+    for a, b in zip(state.k + state.v, plain_state.k + plain_state.v):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_the_team_runs_with_openmp(tmp_path, monkeypatch) -> None:
+    """On a machine with OpenMP (the test VM, CI) a 2-thread decode step is run by a team of two, once."""
+    from pantheon.kernels.cpu import decode_layers as dl
+
+    model = tiny(tmp_path, Q.Q8_0)
+    state, slots = _prefilled(model, [5], 3)
+    if dl._team_size(2) == 1:
+        pytest.skip(f"threading layer {__import__('numba').threading_layer()}: no team")
+    sizes = []
+    team_step = dl._team_step
+
+    def recorded(n_threads, *args):
+        sizes.append(n_threads)
+        return team_step(n_threads, *args)
+
+    monkeypatch.setattr(dl, "_team_step", recorded)
+    logits = model.forward(state, [BatchRow(int(slots[0]), np.array([3], np.int32), 5)])
+    assert sizes == [2] and logits.shape == (1, model.vocab_size) and np.isfinite(logits).all()

@@ -412,40 +412,45 @@ def quantize_rows(x: np.ndarray, offset: bool = False) -> tuple[np.ndarray, np.n
 # --- matmul ----------------------------------------------------------------------------------------------
 
 
+@numba.njit(**_KERNEL)
+def _gemm_groups(qtype, packed, xq, xd, xs, out, g_lo, g_hi):
+    """out[b, 8g : 8g + 8] for every activation row b and weight group g in g_lo .. g_hi - 1. Each group's blocks
+    are used for every activation row while they are in L1."""
+    batch = xq.shape[0]
+    for g in range(g_lo, g_hi):
+        wgroup = packed[g]
+        n0 = g * LANES
+        b = 0
+        if qtype == Q4_1:
+            while b + 8 <= batch:
+                _q4_1_dot_8(wgroup, xq, xd, xs, b, out, n0)
+                b += 8
+            while b + 4 <= batch:
+                _q4_1_dot_4(wgroup, xq, xd, xs, b, out, n0)
+                b += 4
+            while b < batch:
+                _q4_1_dot_1(wgroup, xq, xd, xs, b, out, n0)
+                b += 1
+        else:
+            while b + 8 <= batch:
+                _q8_0_dot_8(wgroup, xq, xd, xs, b, out, n0)
+                b += 8
+            while b + 4 <= batch:
+                _q8_0_dot_4(wgroup, xq, xd, xs, b, out, n0)
+                b += 4
+            while b < batch:
+                _q8_0_dot_1(wgroup, xq, xd, xs, b, out, n0)
+                b += 1
+
+
 @numba.njit(parallel=True, **_KERNEL)
 def _gemm_int8(qtype, packed, xq, xd, xs, out, n_chunks):
     """out[b, n] = row_dot(W[n], x[b]) for every pair; groups of 8 weight rows split into about n_chunks chunks
-    over the threads. Each group's blocks are used for every activation row while they are in L1."""
+    over the threads."""
     n_groups = packed.shape[0]
-    batch = xq.shape[0]
     chunk = (n_groups + n_chunks - 1) // n_chunks
     for c in numba.prange((n_groups + chunk - 1) // chunk):
-        start = c * chunk
-        end = min(n_groups, start + chunk)
-        for g in range(start, end):
-            wgroup = packed[g]
-            n0 = g * LANES
-            b = 0
-            if qtype == Q4_1:
-                while b + 8 <= batch:
-                    _q4_1_dot_8(wgroup, xq, xd, xs, b, out, n0)
-                    b += 8
-                while b + 4 <= batch:
-                    _q4_1_dot_4(wgroup, xq, xd, xs, b, out, n0)
-                    b += 4
-                while b < batch:
-                    _q4_1_dot_1(wgroup, xq, xd, xs, b, out, n0)
-                    b += 1
-            else:
-                while b + 8 <= batch:
-                    _q8_0_dot_8(wgroup, xq, xd, xs, b, out, n0)
-                    b += 8
-                while b + 4 <= batch:
-                    _q8_0_dot_4(wgroup, xq, xd, xs, b, out, n0)
-                    b += 4
-                while b < batch:
-                    _q8_0_dot_1(wgroup, xq, xd, xs, b, out, n0)
-                    b += 1
+        _gemm_groups(qtype, packed, xq, xd, xs, out, c * chunk, min(n_groups, (c + 1) * chunk))
 
 
 @numba.njit(**_KERNEL)

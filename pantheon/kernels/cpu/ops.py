@@ -255,6 +255,28 @@ def _rope_angles(positions, n_rot, freq_base, freq_scale, cos_table, sin_table):
             sin_table[t, i] = np.float32(np.sin(theta))
 
 
+@intrinsic
+def _fma32(typingctx, a, b, c):  # type: ignore[no-untyped-def]
+    """a * b + c on float32, rounded once (llvm.fma: never split, whatever the caller's fast-math flags)."""
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        f32 = ir.FloatType()
+        fn = builder.module.declare_intrinsic("llvm.fma.f32", fnty=ir.FunctionType(f32, [f32, f32, f32]))
+        return builder.call(fn, list(args))
+
+    return types.float32(types.float32, types.float32, types.float32), codegen
+
+
+@numba.njit(cache=True, nogil=True, error_model="numpy", inline="always")
+def _turn(a, b, c, s):
+    """(a c - b s, a s + b c) of float32 values with explicit fmas, each second product rounded on its own. Written
+    as plain float32 arithmetic, the kernels' 'contract' flag let LLVM fuse either product, and it chose
+    differently in different callers: the fused decode kernel and rope_qkv_into_cache then disagreed in the
+    last bit of a rotated key."""
+    zero = np.float32(0.0)
+    return (_fma32(a, c, -_fma32(b, s, zero)), _fma32(a, s, _fma32(b, c, zero)))
+
+
 @numba.njit(cache=True, nogil=True, error_model="numpy", inline="always")
 def _rotate_head(row, src, neox, cos_row, sin_row, dst):
     """dst (hd,) = the head at row[src : src + hd] with its first n_rot dims turned pair by pair (see
@@ -263,16 +285,14 @@ def _rotate_head(row, src, neox, cos_row, sin_row, dst):
     half = cos_row.shape[0]
     if neox:
         for i in range(half):
-            a = row[src + i]
-            b = row[src + i + half]
-            dst[i] = _f32_to_kv(a * cos_row[i] - b * sin_row[i], dst)
-            dst[i + half] = _f32_to_kv(a * sin_row[i] + b * cos_row[i], dst)
+            x, y = _turn(row[src + i], row[src + i + half], cos_row[i], sin_row[i])
+            dst[i] = _f32_to_kv(x, dst)
+            dst[i + half] = _f32_to_kv(y, dst)
     else:
         for i in range(half):
-            a = row[src + 2 * i]
-            b = row[src + 2 * i + 1]
-            dst[2 * i] = _f32_to_kv(a * cos_row[i] - b * sin_row[i], dst)
-            dst[2 * i + 1] = _f32_to_kv(a * sin_row[i] + b * cos_row[i], dst)
+            x, y = _turn(row[src + 2 * i], row[src + 2 * i + 1], cos_row[i], sin_row[i])
+            dst[2 * i] = _f32_to_kv(x, dst)
+            dst[2 * i + 1] = _f32_to_kv(y, dst)
     for c in range(2 * half, dst.shape[0]):  # dims past n_rot are not rotated
         dst[c] = _f32_to_kv(row[src + c], dst)
 
@@ -485,6 +505,16 @@ def _swiglu_stacked_row(gate_up, out, t):
     out_row = out[t]
     width = out_row.shape[0]
     for i in range(width):
+        out_row[i] = _silu_times(row[i], row[width + i])
+
+
+@_njit
+def _swiglu_stacked_cols(gate_up, out, t, lo, hi):
+    """`_swiglu_stacked_row`'s values for columns lo .. hi - 1 of row t, the same bits."""
+    row = gate_up[t]
+    out_row = out[t]
+    width = out_row.shape[0]
+    for i in range(lo, hi):
         out_row[i] = _silu_times(row[i], row[width + i])
 
 
@@ -738,8 +768,14 @@ def _attend_item(q_rows, keys, values, kvh, k_lo, k_hi, scale32, b, h0, split, s
 @_njit
 def _merge_splits(positions, part_max, part_sum, part_acc, out):
     """The output rows of the sequences whose keys were split into runs: their softmax states merged."""
-    n_seqs, n_q_heads, head_dim = out.shape
-    for b in range(n_seqs):
+    _merge_split_rows(positions, part_max, part_sum, part_acc, out, 0, out.shape[0])
+
+
+@_njit
+def _merge_split_rows(positions, part_max, part_sum, part_acc, out, b_lo, b_hi):
+    """`_merge_splits` for sequences b_lo .. b_hi - 1."""
+    n_q_heads, head_dim = out.shape[1], out.shape[2]
+    for b in range(b_lo, b_hi):
         n_splits = (positions[b] + DECODE_SPLIT_KEYS) // DECODE_SPLIT_KEYS
         if n_splits == 1:
             continue
@@ -801,32 +837,41 @@ def _attention_decode_qkv_kernel(qkv, neox, cos_table, sin_table, k_all, v_all, 
     value for its kv head (the items of one kv head's subgroups write the same bits there), as
     `rope_qkv_into_cache` would have before the launch."""
     n_seqs, n_q_heads, head_dim = out.shape
-    n_kv_heads = k_all.shape[2]
-    group = n_q_heads // n_kv_heads
-    v_first = (n_q_heads + n_kv_heads) * head_dim
     first_item, per_subgroup, n_subgroups, max_splits = _decode_layout(
-        n_seqs, n_q_heads, n_kv_heads, k_all.shape[0], k_all.shape[1], slot_ids, positions, True)
+        n_seqs, n_q_heads, k_all.shape[2], k_all.shape[0], k_all.shape[1], slot_ids, positions, True)
     part_max, part_sum, part_acc = _split_states(n_seqs, n_q_heads, head_dim, max_splits)
     scale32 = np.float32(scale)
     for item in prange(first_item[n_seqs]):
-        b, split, kvh, h0, n_heads, k_lo, k_hi = _decode_item(item, first_item, per_subgroup, n_subgroups, group,
-                                                              n_kv_heads, positions)
-        slot, pos, row = slot_ids[b], positions[b], qkv[b]
-        keys = k_all[slot]
-        values = v_all[slot]
-        if k_hi == pos + 1:
-            _rotate_head(row, (n_q_heads + kvh) * head_dim, neox, cos_table[b], sin_table[b], keys[pos, kvh])
-            v_row = values[pos, kvh]
-            for c in range(head_dim):
-                v_row[c] = _f32_to_kv(row[v_first + kvh * head_dim + c], values)
-        q_rows = np.empty((n_heads, head_dim), dtype=np.float32)
-        for i in range(n_heads):
-            _rotate_head(row, (h0 + i) * head_dim, neox, cos_table[b], sin_table[b], q_rows[i])
-            for c in range(head_dim):
-                q_rows[i, c] = _kv_to_f32(_f32_to_kv(q_rows[i, c], keys))
-        _attend_item(q_rows, keys, values, kvh, k_lo, k_hi, scale32, b, h0, split,
-                     first_item[b + 1] - first_item[b] == n_kv_heads * n_subgroups, out, part_max, part_sum, part_acc)
+        _attention_qkv_item(item, qkv, neox, cos_table, sin_table, k_all, v_all, slot_ids, positions, scale32, out,
+                            first_item, per_subgroup, n_subgroups, part_max, part_sum, part_acc)
     _merge_splits(positions, part_max, part_sum, part_acc, out)
+
+
+@_njit
+def _attention_qkv_item(item, qkv, neox, cos_table, sin_table, k_all, v_all, slot_ids, positions, scale32, out,
+                        first_item, per_subgroup, n_subgroups, part_max, part_sum, part_acc):
+    """Work item `item` of `_attention_decode_qkv_kernel` (see `_decode_layout`)."""
+    n_q_heads, head_dim = out.shape[1], out.shape[2]
+    n_kv_heads = k_all.shape[2]
+    group = n_q_heads // n_kv_heads
+    v_first = (n_q_heads + n_kv_heads) * head_dim
+    b, split, kvh, h0, n_heads, k_lo, k_hi = _decode_item(item, first_item, per_subgroup, n_subgroups, group,
+                                                          n_kv_heads, positions)
+    slot, pos, row = slot_ids[b], positions[b], qkv[b]
+    keys = k_all[slot]
+    values = v_all[slot]
+    if k_hi == pos + 1:
+        _rotate_head(row, (n_q_heads + kvh) * head_dim, neox, cos_table[b], sin_table[b], keys[pos, kvh])
+        v_row = values[pos, kvh]
+        for c in range(head_dim):
+            v_row[c] = _f32_to_kv(row[v_first + kvh * head_dim + c], values)
+    q_rows = np.empty((n_heads, head_dim), dtype=np.float32)
+    for i in range(n_heads):
+        _rotate_head(row, (h0 + i) * head_dim, neox, cos_table[b], sin_table[b], q_rows[i])
+        for c in range(head_dim):
+            q_rows[i, c] = _kv_to_f32(_f32_to_kv(q_rows[i, c], keys))
+    _attend_item(q_rows, keys, values, kvh, k_lo, k_hi, scale32, b, h0, split,
+                 first_item[b + 1] - first_item[b] == n_kv_heads * n_subgroups, out, part_max, part_sum, part_acc)
 
 
 @_njit_parallel

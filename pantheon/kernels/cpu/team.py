@@ -1,0 +1,112 @@
+"""A team of threads kept inside one parallel region, with spin barriers between its phases.
+
+A numba `prange` is a fork and a join of the thread pool: ~1.1 us warm, more when the step's weights have
+evicted the pool's state from the caches. A llama decode step written as kernels is ~150 of them (four
+matmuls and the attention per layer), and between them runs the serial work no launch pays for: quantizing
+a matmul's input rows, the norms, the SwiGLU, while the other thread waits. `prange(n_threads)` with one
+iteration per thread, and these barriers between the phases, keeps the team in one region for the whole
+step, and lets each phase split its work over the team.
+
+The barrier is a shared counter: each arrival adds one (an atomic add), and the k-th barrier of a region
+lets its threads go once the counter reaches k * n_threads (spinning with `pause` until then). The counter
+only grows, so no reset races with late leavers. A thread that waits for longer than `SPIN_LIMIT` pauses
+(a team member that never came: numba ran two iterations on one thread, or the machine stalled it for
+a second) sets the abort word and leaves; every waiter sees it and leaves too, and the caller redoes the
+work another way. Atomic operations are sequentially consistent: what a thread wrote before a barrier is
+visible to every thread after it.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+# sync words: [arrivals, abort]
+ARRIVALS, ABORT = 0, 1
+# Pauses before a waiter gives the team up: ~1-2 s at 30-60 ns a pause, far past any real phase.
+SPIN_LIMIT = 30_000_000
+
+_i64 = ir.IntType(64)
+
+
+def _word_ptr(context, builder, arr_type, arr, index):  # type: ignore[no-untyped-def]
+    array = context.make_array(arr_type)(context, builder, arr)
+    return builder.gep(array.data, [index])
+
+
+@intrinsic
+def _atomic_add(typingctx, words, index, value):  # type: ignore[no-untyped-def]
+    """words[index] += value atomically (sequentially consistent); the value before."""
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        ptr = _word_ptr(context, builder, signature.args[0], args[0], args[1])
+        return builder.atomic_rmw("add", ptr, args[2], "seq_cst")
+
+    return types.int64(words, index, value), codegen
+
+
+@intrinsic
+def _atomic_load(typingctx, words, index):  # type: ignore[no-untyped-def]
+    """words[index], read atomically (sequentially consistent)."""
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        ptr = _word_ptr(context, builder, signature.args[0], args[0], args[1])
+        return builder.load_atomic(ptr, "seq_cst", 8)
+
+    return types.int64(words, index), codegen
+
+
+@intrinsic
+def _atomic_store(typingctx, words, index, value):  # type: ignore[no-untyped-def]
+    """words[index] = value, atomically (sequentially consistent)."""
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        ptr = _word_ptr(context, builder, signature.args[0], args[0], args[1])
+        builder.store_atomic(args[2], ptr, "seq_cst", 8)
+        return context.get_dummy_value()
+
+    return types.void(words, index, value), codegen
+
+
+@intrinsic
+def _pause(typingctx):  # type: ignore[no-untyped-def]
+    """The spin-wait hint (x86 `pause`): the waiting core yields its pipeline to its sibling and the bus."""
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        fn = builder.module.declare_intrinsic("llvm.x86.sse2.pause", fnty=ir.FunctionType(ir.VoidType(), []))
+        builder.call(fn, [])
+        return context.get_dummy_value()
+
+    return types.void(), codegen
+
+
+@numba.njit(cache=True, nogil=True)
+def new_sync() -> np.ndarray:
+    return np.zeros(2, dtype=np.int64)
+
+
+@numba.njit(cache=True, nogil=True)
+def barrier(sync, n_threads, k, spin_limit):  # type: ignore[no-untyped-def]
+    """The k-th barrier (k = 1, 2, ...) of a team of n_threads sharing `sync`. False when the team was
+    aborted (by this thread, after spin_limit pauses, or by another): leave the region then."""
+    _atomic_add(sync, ARRIVALS, np.int64(1))
+    target = k * n_threads
+    spins = 0
+    while _atomic_load(sync, ARRIVALS) < target:
+        if _atomic_load(sync, ABORT) != 0:
+            return False
+        _pause()
+        spins += 1
+        if spins > spin_limit:
+            _atomic_store(sync, ABORT, np.int64(1))
+            return False
+    return _atomic_load(sync, ABORT) == 0
+
+
+@numba.njit(cache=True, nogil=True)
+def span(total, part, parts):  # type: ignore[no-untyped-def]
+    """Part `part` of `parts` near-equal contiguous pieces of range(total): (lo, hi)."""
+    return total * part // parts, total * (part + 1) // parts
