@@ -18,9 +18,10 @@ stream took ~420 us of CPU per token). Per level:
   TTFT                    median and max over the streams, from sending the request to its first content
 
 The in-process figure decodes greedily with batch 1 straight on the model (as bench/decode.py does), same
-thread count, same prompt, with no server running. Both run the int8-activation path by default (where the CPU
-has the instructions); PANTHEON_CPU_INT8=0 measures the float32 path. Prints a table and writes
-bench/results/<date>-concurrency.json.
+thread count, same prompt, in this process, once per round before the HTTP levels (the server idle meanwhile);
+the HTTP / in-process ratio is the median of the per-round ratios. Both run the int8-activation path by
+default (where the CPU has the instructions); PANTHEON_CPU_INT8=0 measures the float32 path. Prints a table
+and writes bench/results/<date>-concurrency.json.
 """
 
 from __future__ import annotations
@@ -97,35 +98,40 @@ def run_level(server: ServerProcess, n: int, tokens: int, bias: dict[str, float]
     }
 
 
-def in_process_decode(path: Path, threads: int, prompt: str, n_decode: int, runs: int) -> dict[str, float]:
-    from pantheon.config import ModelOptions, read_env
-    from pantheon.engine.loader import load_served_model
-    from pantheon.kernels.cpu.backend import CpuBackend
-    from pantheon.models.base import BatchRow
+class InProcessDecoder:
+    """Greedy batch-1 decode straight on the model (as bench/decode.py does), in this process, with no server
+    running: the figure the single HTTP stream is compared with."""
 
-    served = load_served_model(ModelOptions(path=path, name="bench"), read_env(), CpuBackend(threads, int8=read_env().cpu_int8))
-    model = served.model
-    text = served.template.render([{"role": "user", "content": prompt}], add_generation_prompt=True, extra={})
-    tokens = np.array(served.tokenizer.encode(text, parse_special=True), np.int32)
-    end_ids = set(served.tokenizer.stop_ids)
-    state = model.new_state(1, len(tokens) + n_decode + 8)
-    rates, prefill = [], []
-    for _ in range(runs):
+    def __init__(self, path: Path, threads: int, prompt: str) -> None:
+        from pantheon.config import ModelOptions, read_env
+        from pantheon.engine.loader import load_served_model
+        from pantheon.kernels.cpu.backend import CpuBackend
+
+        served = load_served_model(ModelOptions(path=path, name="bench"), read_env(),
+                                   CpuBackend(threads, int8=read_env().cpu_int8))
+        self.model = served.model
+        text = served.template.render([{"role": "user", "content": prompt}], add_generation_prompt=True, extra={})
+        self.tokens = np.array(served.tokenizer.encode(text, parse_special=True), np.int32)
+        self.end_ids = list(set(served.tokenizer.stop_ids))
+
+    def run(self, n_decode: int) -> dict[str, float]:
+        from pantheon.models.base import BatchRow
+
+        state = self.model.new_state(1, len(self.tokens) + n_decode + 8)
         t = time.perf_counter()
-        logits = model.forward(state, [BatchRow(0, tokens, 0)])
-        prefill.append(len(tokens) / (time.perf_counter() - t))
+        logits = self.model.forward(state, [BatchRow(0, self.tokens, 0)])
+        prefill = len(self.tokens) / (time.perf_counter() - t)
         row = logits[0].copy()
-        row[list(end_ids)] = -np.inf
-        tok, pos = int(np.argmax(row)), len(tokens)
+        row[self.end_ids] = -np.inf
+        tok, pos = int(np.argmax(row)), len(self.tokens)
         t = time.perf_counter()
         for _ in range(n_decode):
-            logits = model.forward(state, [BatchRow(0, np.array([tok], np.int32), pos)])
+            logits = self.model.forward(state, [BatchRow(0, np.array([tok], np.int32), pos)])
             row = logits[0].copy()
-            row[list(end_ids)] = -np.inf
+            row[self.end_ids] = -np.inf
             tok, pos = int(np.argmax(row)), pos + 1
-        rates.append(n_decode / (time.perf_counter() - t))
-    return {"decode_tok_s": statistics.median(rates), "prefill_tok_s": statistics.median(prefill),
-            "prompt_tokens": len(tokens)}
+        return {"decode_tok_s": n_decode / (time.perf_counter() - t), "prefill_tok_s": prefill,
+                "prompt_tokens": len(self.tokens)}
 
 
 def main() -> None:
@@ -142,7 +148,9 @@ def main() -> None:
     path = default_model()
     load_before = os.getloadavg()
 
-    inproc = in_process_decode(path, threads, PROMPTS[0], args.tokens, max(2, args.runs))
+    decoder = InProcessDecoder(path, threads, PROMPTS[0])
+    decoder.run(16)  # warm-up
+    inproc_runs: list[dict[str, float]] = []
 
     bias = {str(t): -100 for t in end_token_ids(path)}
     log = Path(tempfile.mkdtemp(prefix="bench-concurrency-")) / "serve.log"
@@ -154,6 +162,9 @@ def main() -> None:
         # drifts by 10-30% over minutes, and a ratio between levels should compare neighbouring minutes.
         by_level: dict[int, list[dict[str, Any]]] = {n: [] for n in levels}
         for _ in range(args.runs):
+            # In-process decode in every round too, so that the HTTP / in-process ratio compares neighbouring
+            # minutes (one in-process figure before all the rounds gave 0.84 and 1.10 in two runs of one tree).
+            inproc_runs.append(decoder.run(args.tokens))
             for n in levels:
                 by_level[n].append(run_level(server, n, args.tokens, bias, args.temperature))
         rows = []
@@ -187,12 +198,17 @@ def main() -> None:
                   f"{' '.join(f'{x:.2f}' for x in row['round_ratios'])} (median "
                   f"{statistics.median(row['round_ratios']):.2f})")
     http_one = rows[0]["aggregate_decode_tok_s"] if rows[0]["streams"] == 1 else float("nan")
-    ratio = http_one / inproc["decode_tok_s"]
-    print(f"single stream decode: HTTP {http_one:.1f} tok/s, in-process {inproc['decode_tok_s']:.1f} tok/s, "
-          f"ratio {ratio:.2f}")
+    inproc = {k: statistics.median(r[k] for r in inproc_runs) for k in inproc_runs[0]}
+    inproc["runs"] = inproc_runs
+    round_ratios = ([one["aggregate_decode_tok_s"] / ip["decode_tok_s"]
+                     for one, ip in zip(rows[0]["runs"], inproc_runs)] if rows[0]["streams"] == 1 else [float("nan")])
+    ratio = statistics.median(round_ratios)
+    print(f"single stream decode: HTTP {http_one:.1f} tok/s, in-process {inproc['decode_tok_s']:.1f} tok/s "
+          f"(medians); HTTP / in-process round by round: {' '.join(f'{x:.2f}' for x in round_ratios)} "
+          f"(median {ratio:.2f})")
     out = write_result("concurrency", {"args": vars(args), "threads": threads, "load_avg_before": load_before,
                                        "load_avg_after": load_after, "levels": rows, "in_process": inproc,
-                                       "http_vs_in_process": ratio})
+                                       "http_vs_in_process": ratio, "http_vs_in_process_rounds": round_ratios})
     print(f"wrote {out}")
 
 
