@@ -86,7 +86,7 @@ def _team_layers(n_threads, spin_limit, sync, x, h, qtypes, rows, flips, w_qkv, 
                  next_norms, eps, k_pools, v_pools, slots, positions, cos_table, sin_table, scale, first_item,
                  per_subgroup, n_subgroups, max_splits, part_max, part_sum, part_acc, qkv, attn, o, gate_up, ff, d,
                  q_d, q_a, q_f, out_qtype, out_packed, out_flip, logits):
-    """`_layers` and the output matmul in one parallel region: iteration t of the prange is thread t of the team,
+    """`_layers` and the output matmul in one parallel region: iteration t of the prange is member t of the team,
     each phase does its share (`team.span`) and a barrier separates phases that read what another wrote. Every
     value is computed by the same function, with the same arguments, whatever n_threads: the same bits.
     q_d / q_a / q_f: (xq, xd, xs) buffers for inputs of width D, n_q_heads * head_dim, and the FFN width."""
@@ -95,88 +95,70 @@ def _team_layers(n_threads, spin_limit, sync, x, h, qtypes, rows, flips, w_qkv, 
     scale32 = np.float32(scale)
     attn_rows = attn.reshape(n_seqs, attn.shape[1] * attn.shape[2])
     for t in numba.prange(n_threads):
-        k = 0
-        ok = True
         r_lo, r_hi = team.span(n_seqs, t, n_threads)
         _quantize_span(h, q_d[0], q_d[1], q_d[2], flips[0, QKV], t, n_threads)
-        for li in range(len(w_qkv)):
-            if ok:
-                k += 1
-                ok = team.barrier(sync, n_threads, k, spin_limit)
-            if ok:
-                _gemm_span(qtypes[li, QKV], w_qkv[li], q_d[0], q_d[1], q_d[2], qkv, t, n_threads)
-                k += 1
-                ok = team.barrier(sync, n_threads, k, spin_limit)
-            if ok:
-                i_lo, i_hi = team.span(n_items, t, n_threads)
-                for item in range(i_lo, i_hi):
-                    ops._attention_qkv_item(item, qkv, False, cos_table, sin_table, k_pools[li], v_pools[li], slots,
-                                            positions, scale32, attn, first_item, per_subgroup, n_subgroups,
-                                            part_max, part_sum, part_acc)
-                k += 1
-                ok = team.barrier(sync, n_threads, k, spin_limit)
-            if ok and max_splits > 1:
+        for li in range(len(w_qkv)):  # a barrier that fails (the team given up) leaves the layers
+            if not team.barrier(sync, t, n_threads, spin_limit):
+                break
+            _gemm_span(qtypes[li, QKV], w_qkv[li], q_d[0], q_d[1], q_d[2], qkv, t, n_threads)
+            if not team.barrier(sync, t, n_threads, spin_limit):
+                break
+            i_lo, i_hi = team.span(n_items, t, n_threads)
+            for item in range(i_lo, i_hi):
+                ops._attention_qkv_item(item, qkv, False, cos_table, sin_table, k_pools[li], v_pools[li], slots,
+                                        positions, scale32, attn, first_item, per_subgroup, n_subgroups, part_max,
+                                        part_sum, part_acc)
+            if not team.barrier(sync, t, n_threads, spin_limit):
+                break
+            if max_splits > 1:
                 ops._merge_split_rows(positions, part_max, part_sum, part_acc, attn, r_lo, r_hi)
-                k += 1
-                ok = team.barrier(sync, n_threads, k, spin_limit)
-            if ok:
-                _quantize_span(attn_rows, q_a[0], q_a[1], q_a[2], flips[li, OUT], t, n_threads)
-                k += 1
-                ok = team.barrier(sync, n_threads, k, spin_limit)
-            if ok:
-                _gemm_span(qtypes[li, OUT], w_out[li], q_a[0], q_a[1], q_a[2], o, t, n_threads)
-                k += 1
-                ok = team.barrier(sync, n_threads, k, spin_limit)
-            if ok:
+                if not team.barrier(sync, t, n_threads, spin_limit):
+                    break
+            _quantize_span(attn_rows, q_a[0], q_a[1], q_a[2], flips[li, OUT], t, n_threads)
+            if not team.barrier(sync, t, n_threads, spin_limit):
+                break
+            _gemm_span(qtypes[li, OUT], w_out[li], q_a[0], q_a[1], q_a[2], o, t, n_threads)
+            if not team.barrier(sync, t, n_threads, spin_limit):
+                break
+            for r in range(r_lo, r_hi):
+                ops._add_rmsnorm_row(x, o, ffn_norms[li], eps, h, r)
+            if not team.barrier(sync, t, n_threads, spin_limit):
+                break
+            _quantize_span(h, q_d[0], q_d[1], q_d[2], flips[li, GATE_UP], t, n_threads)
+            if not team.barrier(sync, t, n_threads, spin_limit):
+                break
+            _gemm_span(qtypes[li, GATE_UP], w_gate_up[li], q_d[0], q_d[1], q_d[2], gate_up, t, n_threads)
+            if not team.barrier(sync, t, n_threads, spin_limit):
+                break
+            if n_seqs >= n_threads:
                 for r in range(r_lo, r_hi):
-                    ops._add_rmsnorm_row(x, o, ffn_norms[li], eps, h, r)
-                k += 1
-                ok = team.barrier(sync, n_threads, k, spin_limit)
-            if ok:
-                _quantize_span(h, q_d[0], q_d[1], q_d[2], flips[li, GATE_UP], t, n_threads)
-                k += 1
-                ok = team.barrier(sync, n_threads, k, spin_limit)
-            if ok:
-                _gemm_span(qtypes[li, GATE_UP], w_gate_up[li], q_d[0], q_d[1], q_d[2], gate_up, t, n_threads)
-                k += 1
-                ok = team.barrier(sync, n_threads, k, spin_limit)
-            if ok:
-                if n_seqs >= n_threads:
-                    for r in range(r_lo, r_hi):
-                        ops._swiglu_stacked_row(gate_up, ff, r)
-                else:  # fewer rows than threads: each row's columns are shared out
-                    c_lo, c_hi = team.span(ff.shape[1], t, n_threads)
-                    for r in range(n_seqs):
-                        ops._swiglu_stacked_cols(gate_up, ff, r, c_lo, c_hi)
-                k += 1
-                ok = team.barrier(sync, n_threads, k, spin_limit)
-            if ok:
-                _quantize_span(ff, q_f[0], q_f[1], q_f[2], flips[li, DOWN], t, n_threads)
-                k += 1
-                ok = team.barrier(sync, n_threads, k, spin_limit)
-            if ok:
-                _gemm_span(qtypes[li, DOWN], w_down[li], q_f[0], q_f[1], q_f[2], d, t, n_threads)
-                k += 1
-                ok = team.barrier(sync, n_threads, k, spin_limit)
-            if ok:
-                for r in range(r_lo, r_hi):
-                    ops._add_rmsnorm_row(x, d, next_norms[li], eps, h, r)
-                k += 1
-                ok = team.barrier(sync, n_threads, k, spin_limit)
-            if ok:
-                _quantize_span(h, q_d[0], q_d[1], q_d[2], flips[li + 1, QKV] if li + 1 < len(w_qkv) else out_flip,
-                               t, n_threads)
-        if ok:
-            k += 1
-            ok = team.barrier(sync, n_threads, k, spin_limit)
-        if ok:
+                    ops._swiglu_stacked_row(gate_up, ff, r)
+            else:  # fewer rows than threads: each row's columns are shared out
+                c_lo, c_hi = team.span(ff.shape[1], t, n_threads)
+                for r in range(n_seqs):
+                    ops._swiglu_stacked_cols(gate_up, ff, r, c_lo, c_hi)
+            if not team.barrier(sync, t, n_threads, spin_limit):
+                break
+            _quantize_span(ff, q_f[0], q_f[1], q_f[2], flips[li, DOWN], t, n_threads)
+            if not team.barrier(sync, t, n_threads, spin_limit):
+                break
+            _gemm_span(qtypes[li, DOWN], w_down[li], q_f[0], q_f[1], q_f[2], d, t, n_threads)
+            if not team.barrier(sync, t, n_threads, spin_limit):
+                break
+            for r in range(r_lo, r_hi):
+                ops._add_rmsnorm_row(x, d, next_norms[li], eps, h, r)
+            if not team.barrier(sync, t, n_threads, spin_limit):
+                break
+            _quantize_span(h, q_d[0], q_d[1], q_d[2], flips[li + 1, QKV] if li + 1 < len(w_qkv) else out_flip,
+                           t, n_threads)
+        if team.barrier(sync, t, n_threads, spin_limit):
             _gemm_span(out_qtype, out_packed, q_d[0], q_d[1], q_d[2], logits, t, n_threads)
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
 def _team_step(n_threads, spin_limit, tokens, embd_qtype, embd_data, first_norm, out_qtype, out_packed, out_rows,
-               out_flip, qtypes, rows, flips, w_qkv, w_out, w_gate_up, w_down, ffn_norms, next_norms, eps, k_pools, v_pools, slots,
-               positions, n_rot, freq_base, freq_scale, scale, n_q_heads):
+               out_flip, qtypes, rows, flips, w_qkv, w_out, w_gate_up, w_down, ffn_norms, next_norms, eps, k_pools,
+               v_pools, slots, positions, n_rot, freq_base, freq_scale, scale, n_q_heads):
     """The whole decode step (the rotation's angles, embedding rows, the first norm, the layers and the output
     matrix) by a team of n_threads in one parallel region (`_team_layers`). Returns (logits (B, out_rows),
     completed): not completed when the team was given up (a member never reached a barrier); a team of one,
@@ -185,7 +167,7 @@ def _team_step(n_threads, spin_limit, tokens, embd_qtype, embd_data, first_norm,
     for t in range(n_seqs):
         if tokens[t] < 0 or tokens[t] >= embd_data.shape[0]:
             raise IndexError("token id out of range for the embedding")
-    k0, v0 = k_pools[0], v_pools[0]
+    k0 = k_pools[0]
     n_kv_heads, head_dim = k0.shape[2], k0.shape[3]
     # The attention's work items are the same in every layer (same positions): laid out, and checked, once.
     first_item, per_subgroup, n_subgroups, max_splits = ops._decode_layout(
@@ -213,10 +195,10 @@ def _team_step(n_threads, spin_limit, tokens, embd_qtype, embd_data, first_norm,
     q_f = (np.empty((n_seqs, ffn), dtype=np.int8), np.empty((n_seqs, ffn // qk), dtype=np.float32),
            np.empty((n_seqs, ffn // qk), dtype=np.float32))
     logits = np.empty((n_seqs, out_rows), dtype=np.float32)
-    sync = team.new_sync()
-    _team_layers(n_threads, spin_limit, sync, x, h, qtypes, rows, flips, w_qkv, w_out, w_gate_up, w_down, ffn_norms, next_norms,
-                 eps, k_pools, v_pools, slots, positions, cos_table, sin_table, scale, first_item, per_subgroup,
-                 n_subgroups, max_splits, part_max, part_sum, part_acc,
+    sync = team.new_sync(n_threads)
+    _team_layers(n_threads, spin_limit, sync, x, h, qtypes, rows, flips, w_qkv, w_out, w_gate_up, w_down, ffn_norms,
+                 next_norms, eps, k_pools, v_pools, slots, positions, cos_table, sin_table, scale, first_item,
+                 per_subgroup, n_subgroups, max_splits, part_max, part_sum, part_acc,
                  np.empty((n_seqs, rows[0, QKV]), dtype=np.float32),
                  np.empty((n_seqs, n_q_heads, head_dim), dtype=np.float32),
                  np.empty((n_seqs, width), dtype=np.float32), np.empty((n_seqs, rows[0, GATE_UP]), dtype=np.float32),

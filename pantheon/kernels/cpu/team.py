@@ -7,8 +7,8 @@ a matmul's input rows, the norms, the SwiGLU, while the other thread waits. `pra
 iteration per thread, and these barriers between the phases, keeps the team in one region for the whole
 step, and lets each phase split its work over the team.
 
-The barrier is a shared counter: each arrival adds one (an atomic add), and the k-th barrier of a region
-lets its threads go once the counter reaches k * n_threads (spinning with `pause` until then). The counter
+The barrier is a shared counter: each arrival adds one (an atomic add), and a member's k-th barrier lets it
+go once the counter reaches k * n_threads (spinning with `pause` until then). The counter
 only grows, so no reset races with late leavers. A thread that waits for longer than `SPIN_LIMIT` pauses
 (a team member that never came: numba ran two iterations on one thread, or the machine stalled it for
 a second) sets the abort word and leaves; every waiter sees it and leaves too, and the caller redoes the
@@ -24,8 +24,8 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-# sync words: [arrivals, abort]
-ARRIVALS, ABORT = 0, 1
+# sync words: [arrivals, abort, then one per thread: the barriers it has passed (written by that thread only)]
+ARRIVALS, ABORT, PASSED = 0, 1, 2
 # Pauses before a waiter gives the team up: ~1-2 s at 30-60 ns a pause, far past any real phase.
 SPIN_LIMIT = 30_000_000
 
@@ -84,16 +84,19 @@ def _pause(typingctx):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(cache=True, nogil=True)
-def new_sync() -> np.ndarray:
-    return np.zeros(2, dtype=np.int64)
+def new_sync(n_threads):  # type: ignore[no-untyped-def]
+    return np.zeros(PASSED + n_threads, dtype=np.int64)
 
 
 @numba.njit(cache=True, nogil=True)
-def barrier(sync, n_threads, k, spin_limit):  # type: ignore[no-untyped-def]
-    """The k-th barrier (k = 1, 2, ...) of a team of n_threads sharing `sync`. False when the team was
-    aborted (by this thread, after spin_limit pauses, or by another): leave the region then."""
+def barrier(sync, t, n_threads, spin_limit):  # type: ignore[no-untyped-def]
+    """Member t's next barrier in a team of n_threads sharing `sync` (`new_sync`). False when the team was
+    given up (by this thread, after spin_limit pauses, or by another): leave the region then; every later
+    barrier returns False at once."""
+    passed = sync[PASSED + t] + 1
+    sync[PASSED + t] = passed
     _atomic_add(sync, ARRIVALS, np.int64(1))
-    target = k * n_threads
+    target = passed * n_threads
     spins = 0
     while _atomic_load(sync, ARRIVALS) < target:
         if _atomic_load(sync, ABORT) != 0:
