@@ -38,6 +38,9 @@ log = logging.getLogger("pantheon.kernels")
 
 # The matrices of a layer, in the order of `DecodePlan.qtypes` / `rows` columns.
 QKV, OUT, GATE_UP, DOWN = 0, 1, 2, 3
+# Claimed phases of a layer in `_team_layers` (its four matmuls and the attention), numbered from 5 * layer;
+# the output matmul is phase 5 * n_layers.
+_PHASES = 5
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
@@ -76,19 +79,27 @@ def _quantize_span(x, xq, xd, xs, flip, part, parts):
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
-def _gemm_span(qtype, packed, xq, xd, xs, out, part, parts):
-    lo, hi = team.span(packed.shape[0], part, parts)
-    int8dot._gemm_groups(qtype, packed, xq, xd, xs, out, lo, hi)
+def _gemm_claimed(qtype, packed, xq, xd, xs, out, claims, phase, n_threads):
+    """This member's part of a matmul the team shares out by claiming chunks of weight groups (`team.claim_chunk`).
+    An output's bits do not depend on who computes it. The smallest chunk is about a microsecond of work."""
+    n_groups = packed.shape[0]
+    min_chunk = max(2, 16 // xq.shape[0])
+    while True:
+        lo, hi = team.claim_chunk(claims, phase, n_groups, n_threads, min_chunk)
+        if lo >= hi:
+            return
+        int8dot._gemm_groups(qtype, packed, xq, xd, xs, out, lo, hi)
 
 
 @numba.njit(parallel=True, cache=True, nogil=True, error_model="numpy")
-def _team_layers(n_threads, spin_limit, sync, x, h, qtypes, rows, flips, w_qkv, w_out, w_gate_up, w_down, ffn_norms,
-                 next_norms, eps, k_pools, v_pools, slots, positions, cos_table, sin_table, scale, first_item,
+def _team_layers(n_threads, spin_limit, sync, claims, x, h, qtypes, rows, flips, w_qkv, w_out, w_gate_up, w_down,
+                 ffn_norms, next_norms, eps, k_pools, v_pools, slots, positions, cos_table, sin_table, scale, first_item,
                  per_subgroup, n_subgroups, max_splits, part_max, part_sum, part_acc, qkv, attn, o, gate_up, ff, d,
                  q_d, q_a, q_f, out_qtype, out_packed, out_flip, logits):
     """`_layers` and the output matmul in one parallel region: iteration t of the prange is member t of the team,
-    each phase does its share (`team.span`) and a barrier separates phases that read what another wrote. Every
-    value is computed by the same function, with the same arguments, whatever n_threads: the same bits.
+    each phase does its share (`team.span`, or what it claims: `_gemm_claimed`, the attention items) and a
+    barrier separates phases that read what another wrote. Every value is computed by the same function, with
+    the same arguments, whatever n_threads and whoever computes it: the same bits.
     q_d / q_a / q_f: (xq, xd, xs) buffers for inputs of width D, n_q_heads * head_dim, and the FFN width."""
     n_seqs = x.shape[0]
     n_items = first_item[n_seqs]
@@ -100,11 +111,14 @@ def _team_layers(n_threads, spin_limit, sync, x, h, qtypes, rows, flips, w_qkv, 
         for li in range(len(w_qkv)):  # a barrier that fails (the team given up) leaves the layers
             if not team.barrier(sync, t, n_threads, spin_limit):
                 break
-            _gemm_span(qtypes[li, QKV], w_qkv[li], q_d[0], q_d[1], q_d[2], qkv, t, n_threads)
+            phase = _PHASES * li
+            _gemm_claimed(qtypes[li, QKV], w_qkv[li], q_d[0], q_d[1], q_d[2], qkv, claims, phase, n_threads)
             if not team.barrier(sync, t, n_threads, spin_limit):
                 break
-            i_lo, i_hi = team.span(n_items, t, n_threads)
-            for item in range(i_lo, i_hi):
+            while True:  # items differ in length (each sequence its own context): claimed one by one
+                item = team.claim(claims, phase + 1)
+                if item >= n_items:
+                    break
                 ops._attention_qkv_item(item, qkv, False, cos_table, sin_table, k_pools[li], v_pools[li], slots,
                                         positions, scale32, attn, first_item, per_subgroup, n_subgroups, part_max,
                                         part_sum, part_acc)
@@ -117,7 +131,7 @@ def _team_layers(n_threads, spin_limit, sync, x, h, qtypes, rows, flips, w_qkv, 
             _quantize_span(attn_rows, q_a[0], q_a[1], q_a[2], flips[li, OUT], t, n_threads)
             if not team.barrier(sync, t, n_threads, spin_limit):
                 break
-            _gemm_span(qtypes[li, OUT], w_out[li], q_a[0], q_a[1], q_a[2], o, t, n_threads)
+            _gemm_claimed(qtypes[li, OUT], w_out[li], q_a[0], q_a[1], q_a[2], o, claims, phase + 2, n_threads)
             if not team.barrier(sync, t, n_threads, spin_limit):
                 break
             for r in range(r_lo, r_hi):
@@ -127,7 +141,8 @@ def _team_layers(n_threads, spin_limit, sync, x, h, qtypes, rows, flips, w_qkv, 
             _quantize_span(h, q_d[0], q_d[1], q_d[2], flips[li, GATE_UP], t, n_threads)
             if not team.barrier(sync, t, n_threads, spin_limit):
                 break
-            _gemm_span(qtypes[li, GATE_UP], w_gate_up[li], q_d[0], q_d[1], q_d[2], gate_up, t, n_threads)
+            _gemm_claimed(qtypes[li, GATE_UP], w_gate_up[li], q_d[0], q_d[1], q_d[2], gate_up, claims, phase + 3,
+                          n_threads)
             if not team.barrier(sync, t, n_threads, spin_limit):
                 break
             if n_seqs >= n_threads:
@@ -142,7 +157,7 @@ def _team_layers(n_threads, spin_limit, sync, x, h, qtypes, rows, flips, w_qkv, 
             _quantize_span(ff, q_f[0], q_f[1], q_f[2], flips[li, DOWN], t, n_threads)
             if not team.barrier(sync, t, n_threads, spin_limit):
                 break
-            _gemm_span(qtypes[li, DOWN], w_down[li], q_f[0], q_f[1], q_f[2], d, t, n_threads)
+            _gemm_claimed(qtypes[li, DOWN], w_down[li], q_f[0], q_f[1], q_f[2], d, claims, phase + 4, n_threads)
             if not team.barrier(sync, t, n_threads, spin_limit):
                 break
             for r in range(r_lo, r_hi):
@@ -152,7 +167,8 @@ def _team_layers(n_threads, spin_limit, sync, x, h, qtypes, rows, flips, w_qkv, 
             _quantize_span(h, q_d[0], q_d[1], q_d[2], flips[li + 1, QKV] if li + 1 < len(w_qkv) else out_flip,
                            t, n_threads)
         if team.barrier(sync, t, n_threads, spin_limit):
-            _gemm_span(out_qtype, out_packed, q_d[0], q_d[1], q_d[2], logits, t, n_threads)
+            _gemm_claimed(out_qtype, out_packed, q_d[0], q_d[1], q_d[2], logits, claims, _PHASES * len(w_qkv),
+                          n_threads)
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
@@ -196,7 +212,8 @@ def _team_step(n_threads, spin_limit, tokens, embd_qtype, embd_data, first_norm,
            np.empty((n_seqs, ffn // qk), dtype=np.float32))
     logits = np.empty((n_seqs, out_rows), dtype=np.float32)
     sync = team.new_sync(n_threads)
-    _team_layers(n_threads, spin_limit, sync, x, h, qtypes, rows, flips, w_qkv, w_out, w_gate_up, w_down, ffn_norms,
+    claims = team.new_claims(_PHASES * len(w_qkv) + 1)
+    _team_layers(n_threads, spin_limit, sync, claims, x, h, qtypes, rows, flips, w_qkv, w_out, w_gate_up, w_down, ffn_norms,
                  next_norms, eps, k_pools, v_pools, slots, positions, cos_table, sin_table, scale, first_item,
                  per_subgroup, n_subgroups, max_splits, part_max, part_sum, part_acc,
                  np.empty((n_seqs, rows[0, QKV]), dtype=np.float32),

@@ -14,6 +14,11 @@ only grows, so no reset races with late leavers. A thread that waits for longer 
 a second) sets the abort word and leaves; every waiter sees it and leaves too, and the caller redoes the
 work another way. Atomic operations are sequentially consistent: what a thread wrote before a barrier is
 visible to every thread after it.
+
+A phase split into equal static parts waits at its next barrier for its slowest member, and on a 2-core
+machine that also serves HTTP the event loop takes a member's core now and then. Phases made of independent
+pieces (matmul weight groups, attention items) are claimed instead: a counter per phase, taken with an atomic
+add (`claim`, or `claim_chunk` for guided chunks that shrink toward the phase's end).
 """
 
 from __future__ import annotations
@@ -113,3 +118,41 @@ def barrier(sync, t, n_threads, spin_limit):  # type: ignore[no-untyped-def]
 def span(total, part, parts):  # type: ignore[no-untyped-def]
     """Part `part` of `parts` near-equal contiguous pieces of range(total): (lo, hi)."""
     return total * part // parts, total * (part + 1) // parts
+
+
+@numba.njit(cache=True, nogil=True)
+def new_claims(n_phases):  # type: ignore[no-untyped-def]
+    """One claim counter per phase whose work the team shares out as it goes (`claim`, `claim_chunk`)."""
+    return np.zeros(n_phases, dtype=np.int64)
+
+
+@numba.njit(cache=True, nogil=True)
+def claim(claims, phase):  # type: ignore[no-untyped-def]
+    """The next unclaimed index of phase `phase`'s work (0, 1, 2, ...: each index goes to one member only)."""
+    return _atomic_add(claims, phase, np.int64(1))
+
+
+@numba.njit(cache=True, nogil=True)
+def guided_chunk(c, total, parts, min_chunk):  # type: ignore[no-untyped-def]
+    """Chunk c of range(total) cut for `parts` members: rounds of `parts` chunks, each round's chunks together
+    half of what the rounds before left (at least min_chunk each), so the first chunks are large and the
+    last small: (lo, hi), empty once c is past the end."""
+    lo = 0
+    first = 0  # index of this round's first chunk
+    while lo < total:
+        size = max(min_chunk, (total - lo) // (2 * parts))
+        if c < first + parts:
+            lo = min(total, lo + (c - first) * size)
+            return lo, min(total, lo + size)
+        lo += parts * size
+        first += parts
+    return total, total
+
+
+@numba.njit(cache=True, nogil=True)
+def claim_chunk(claims, phase, total, parts, min_chunk):  # type: ignore[no-untyped-def]
+    """The next unclaimed chunk (`guided_chunk`) of phase `phase`'s range(total): (lo, hi), empty when none
+    is left. Members that claim until they get an empty chunk share the phase by speed: one that the machine
+    slowed (another process on its core) leaves its part to the others, and no one waits at the next barrier
+    for more than a small chunk."""
+    return guided_chunk(claim(claims, phase), total, parts, min_chunk)
