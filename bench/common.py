@@ -48,8 +48,13 @@ def machine() -> dict[str, Any]:
                 break
     except OSError:
         pass
+    # "AMD EPYC" names both the Zen 3 and the Zen 4 VMs here; the vector instructions tell them apart (and
+    # decide which kernels run).
+    from pantheon.kernels.cpu import HOST_CPU_FEATURES
+    from pantheon.kernels.cpu.int8dot import INT8_ISA
+
     return {"cpu": cpu, "cores_available": len(os.sched_getaffinity(0)), "python": platform.python_version(),
-            "machine": platform.machine()}
+            "machine": platform.machine(), "avx512": "+avx512f" in HOST_CPU_FEATURES, "int8_isa": INT8_ISA}
 
 
 def write_result(name: str, payload: dict[str, Any]) -> Path:
