@@ -93,9 +93,9 @@ def _gemm_claimed(qtype, packed, xq, xd, xs, out, claims, phase, n_threads):
 
 @numba.njit(parallel=True, cache=True, nogil=True, error_model="numpy")
 def _team_layers(n_threads, spin_limit, sync, claims, x, h, qtypes, rows, flips, w_qkv, w_out, w_gate_up, w_down,
-                 ffn_norms, next_norms, eps, k_pools, v_pools, slots, positions, cos_table, sin_table, scale, first_item,
-                 per_subgroup, n_subgroups, max_splits, part_max, part_sum, part_acc, qkv, attn, o, gate_up, ff, d,
-                 q_d, q_a, q_f, out_qtype, out_packed, out_flip, logits):
+                 ffn_norms, next_norms, eps, k_pools, v_pools, slots, positions, cos_table, sin_table, scale,
+                 first_item, per_subgroup, n_subgroups, max_splits, part_max, part_sum, part_acc, qkv, attn, o, gate_up,
+                 ff, d, q_d, q_a, q_f, out_qtype, out_packed, out_flip, logits):
     """`_layers` and the output matmul in one parallel region: iteration t of the prange is member t of the team,
     each phase does its share (`team.span`, or what it claims: `_gemm_claimed`, the attention items) and a
     barrier separates phases that read what another wrote. Every value is computed by the same function, with
@@ -213,9 +213,9 @@ def _team_step(n_threads, spin_limit, tokens, embd_qtype, embd_data, first_norm,
     logits = np.empty((n_seqs, out_rows), dtype=np.float32)
     sync = team.new_sync(n_threads)
     claims = team.new_claims(_PHASES * len(w_qkv) + 1)
-    _team_layers(n_threads, spin_limit, sync, claims, x, h, qtypes, rows, flips, w_qkv, w_out, w_gate_up, w_down, ffn_norms,
-                 next_norms, eps, k_pools, v_pools, slots, positions, cos_table, sin_table, scale, first_item,
-                 per_subgroup, n_subgroups, max_splits, part_max, part_sum, part_acc,
+    _team_layers(n_threads, spin_limit, sync, claims, x, h, qtypes, rows, flips, w_qkv, w_out, w_gate_up, w_down,
+                 ffn_norms, next_norms, eps, k_pools, v_pools, slots, positions, cos_table, sin_table, scale,
+                 first_item, per_subgroup, n_subgroups, max_splits, part_max, part_sum, part_acc,
                  np.empty((n_seqs, rows[0, QKV]), dtype=np.float32),
                  np.empty((n_seqs, n_q_heads, head_dim), dtype=np.float32),
                  np.empty((n_seqs, width), dtype=np.float32), np.empty((n_seqs, rows[0, GATE_UP]), dtype=np.float32),
