@@ -91,6 +91,18 @@ def _gemm_claimed(qtype, packed, xq, xd, xs, out, claims, phase, n_threads):
         int8dot._gemm_groups(qtype, packed, xq, xd, xs, out, lo, hi)
 
 
+@numba.njit(cache=True, nogil=True, error_model="numpy")
+def _matmul_phases(x, q, flip, qtype, packed, out, claims, phase, sync, t, n_threads, spin_limit):
+    """A team's matmul of x's rows, as two phases: this member quantizes its share of x into q (xq, xd, xs) and
+    meets the others, then claims chunks of the weight groups and meets them again (out is whole after it).
+    False when the team was given up at a barrier: leave the region then."""
+    _quantize_span(x, q[0], q[1], q[2], flip, t, n_threads)
+    if not team.barrier(sync, t, n_threads, spin_limit):
+        return False
+    _gemm_claimed(qtype, packed, q[0], q[1], q[2], out, claims, phase, n_threads)
+    return team.barrier(sync, t, n_threads, spin_limit)
+
+
 @numba.njit(parallel=True, cache=True, nogil=True, error_model="numpy")
 def _team_layers(n_threads, spin_limit, sync, claims, x, h, qtypes, rows, flips, w_qkv, w_out, w_gate_up, w_down,
                  ffn_norms, next_norms, eps, k_pools, v_pools, slots, positions, cos_table, sin_table, scale,
@@ -107,13 +119,12 @@ def _team_layers(n_threads, spin_limit, sync, claims, x, h, qtypes, rows, flips,
     attn_rows = attn.reshape(n_seqs, attn.shape[1] * attn.shape[2])
     for t in numba.prange(n_threads):
         r_lo, r_hi = team.span(n_seqs, t, n_threads)
-        _quantize_span(h, q_d[0], q_d[1], q_d[2], flips[0, QKV], t, n_threads)
-        for li in range(len(w_qkv)):  # a barrier that fails (the team given up) leaves the layers
-            if not team.barrier(sync, t, n_threads, spin_limit):
-                break
+        # Every phase ends at a barrier; one that fails (the team given up) leaves the layers, and every later
+        # barrier fails at once.
+        for li in range(len(w_qkv)):
             phase = _PHASES * li
-            _gemm_claimed(qtypes[li, QKV], w_qkv[li], q_d[0], q_d[1], q_d[2], qkv, claims, phase, n_threads)
-            if not team.barrier(sync, t, n_threads, spin_limit):
+            if not _matmul_phases(h, q_d, flips[li, QKV], qtypes[li, QKV], w_qkv[li], qkv, claims, phase, sync, t,
+                                  n_threads, spin_limit):
                 break
             while True:  # items differ in length (each sequence its own context): claimed one by one
                 item = team.claim(claims, phase + 1)
@@ -128,22 +139,15 @@ def _team_layers(n_threads, spin_limit, sync, claims, x, h, qtypes, rows, flips,
                 ops._merge_split_rows(positions, part_max, part_sum, part_acc, attn, r_lo, r_hi)
                 if not team.barrier(sync, t, n_threads, spin_limit):
                     break
-            _quantize_span(attn_rows, q_a[0], q_a[1], q_a[2], flips[li, OUT], t, n_threads)
-            if not team.barrier(sync, t, n_threads, spin_limit):
-                break
-            _gemm_claimed(qtypes[li, OUT], w_out[li], q_a[0], q_a[1], q_a[2], o, claims, phase + 2, n_threads)
-            if not team.barrier(sync, t, n_threads, spin_limit):
+            if not _matmul_phases(attn_rows, q_a, flips[li, OUT], qtypes[li, OUT], w_out[li], o, claims, phase + 2,
+                                  sync, t, n_threads, spin_limit):
                 break
             for r in range(r_lo, r_hi):
                 ops._add_rmsnorm_row(x, o, ffn_norms[li], eps, h, r)
             if not team.barrier(sync, t, n_threads, spin_limit):
                 break
-            _quantize_span(h, q_d[0], q_d[1], q_d[2], flips[li, GATE_UP], t, n_threads)
-            if not team.barrier(sync, t, n_threads, spin_limit):
-                break
-            _gemm_claimed(qtypes[li, GATE_UP], w_gate_up[li], q_d[0], q_d[1], q_d[2], gate_up, claims, phase + 3,
-                          n_threads)
-            if not team.barrier(sync, t, n_threads, spin_limit):
+            if not _matmul_phases(h, q_d, flips[li, GATE_UP], qtypes[li, GATE_UP], w_gate_up[li], gate_up, claims,
+                                  phase + 3, sync, t, n_threads, spin_limit):
                 break
             if n_seqs >= n_threads:
                 for r in range(r_lo, r_hi):
@@ -154,21 +158,15 @@ def _team_layers(n_threads, spin_limit, sync, claims, x, h, qtypes, rows, flips,
                     ops._swiglu_stacked_cols(gate_up, ff, r, c_lo, c_hi)
             if not team.barrier(sync, t, n_threads, spin_limit):
                 break
-            _quantize_span(ff, q_f[0], q_f[1], q_f[2], flips[li, DOWN], t, n_threads)
-            if not team.barrier(sync, t, n_threads, spin_limit):
-                break
-            _gemm_claimed(qtypes[li, DOWN], w_down[li], q_f[0], q_f[1], q_f[2], d, claims, phase + 4, n_threads)
-            if not team.barrier(sync, t, n_threads, spin_limit):
+            if not _matmul_phases(ff, q_f, flips[li, DOWN], qtypes[li, DOWN], w_down[li], d, claims, phase + 4, sync,
+                                  t, n_threads, spin_limit):
                 break
             for r in range(r_lo, r_hi):
                 ops._add_rmsnorm_row(x, d, next_norms[li], eps, h, r)
             if not team.barrier(sync, t, n_threads, spin_limit):
                 break
-            _quantize_span(h, q_d[0], q_d[1], q_d[2], flips[li + 1, QKV] if li + 1 < len(w_qkv) else out_flip,
-                           t, n_threads)
-        if team.barrier(sync, t, n_threads, spin_limit):
-            _gemm_claimed(out_qtype, out_packed, q_d[0], q_d[1], q_d[2], logits, claims, _PHASES * len(w_qkv),
-                          n_threads)
+        _matmul_phases(h, q_d, out_flip, out_qtype, out_packed, logits, claims, _PHASES * len(w_qkv), sync, t,
+                       n_threads, spin_limit)
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")

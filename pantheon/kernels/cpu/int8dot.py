@@ -228,10 +228,10 @@ def _block_loop(builder: ir.IRBuilder, name: str, n_blocks: ir.Value, n_acc: int
     return finals
 
 
-def _make_rows_dot(q4: bool, n_x: int, isa: str) -> Any:
-    """An intrinsic (wgroup, xq, xd, xs, b, out, n0) that sets out[b + r, n0 : n0 + 8] (the part of it inside
-    out) for r < n_x to the dot products of one packed group of 8 weight rows (`pack_weight`) with activation
-    row b + r as `quantize_rows` left it.
+def _make_rows_dot(n_x: int, isa: str) -> Any:
+    """An intrinsic (qtype, wgroup, xq, xd, xs, b, out, n0) that sets out[b + r, n0 : n0 + 8] (the part of it
+    inside out) for r < n_x to the dot products of one packed group of 8 weight rows (`pack_weight`, Q4_1 or
+    Q8_0 as qtype says) with activation row b + r as `quantize_rows` left it.
 
     An output's sum is the same sequence of float operations for every n_x: blocks in order into one 8-lane
     float32 accumulator (lane = weight row), Q4_1's m terms into a second, the two added at the end. Several
@@ -239,11 +239,21 @@ def _make_rows_dot(q4: bool, n_x: int, isa: str) -> Any:
     over the blocks after the integer one: their accumulators would not fit in AVX2's 16 vector registers
     beside the integer loop's (it spilled to the stack at n_x = 8), and a separate chain gives the same bits."""
 
-    def rows_dot(typingctx, wgroup, xq, xd, xs, b, out, n0):
-        return types.void(wgroup, xq, xd, xs, b, out, n0), codegen
+    def rows_dot(typingctx, qtype, wgroup, xq, xd, xs, b, out, n0):
+        return types.void(qtype, wgroup, xq, xd, xs, b, out, n0), codegen
 
     def codegen(context, builder, signature, args):
-        wgroup_t, xq_t, xd_t, xs_t, _, out_t, _ = signature.args
+        qtype = args[0]
+        is_q4 = builder.icmp_signed("==", qtype, ir.Constant(qtype.type, Q4_1))
+        with builder.if_else(is_q4) as (q4_arm, q8_0_arm):
+            with q4_arm:
+                emit(context, builder, signature.args[1:], args[1:], True)
+            with q8_0_arm:
+                emit(context, builder, signature.args[1:], args[1:], False)
+        return context.get_dummy_value()
+
+    def emit(context, builder, arg_types, args, q4):  # type: ignore[no-untyped-def]
+        wgroup_t, xq_t, xd_t, xs_t, _, out_t, _ = arg_types
         w = context.make_array(wgroup_t)(context, builder, args[0])
         x = context.make_array(xq_t)(context, builder, args[1])
         d = context.make_array(xd_t)(context, builder, args[2])
@@ -287,15 +297,13 @@ def _make_rows_dot(q4: bool, n_x: int, isa: str) -> Any:
                         with builder.if_then(inside):
                             builder.store(builder.extract_element(total, ir.Constant(_i32, lane)),
                                           builder.gep(first, [ir.Constant(_i64, lane)]))
-        return context.get_dummy_value()
 
-    rows_dot.__name__ = rows_dot.__qualname__ = f"{'q4_1' if q4 else 'q8_0'}_rows_dot_{n_x}_{isa}"
+    rows_dot.__name__ = rows_dot.__qualname__ = f"rows_dot_{n_x}_{isa}"
     return intrinsic(rows_dot)
 
 
 _ISA = INT8_ISA or "avx2"  # the kernels below are never called without one
-_q4_1_dot_1, _q4_1_dot_4, _q4_1_dot_8 = (_make_rows_dot(True, n, _ISA) for n in (1, 4, 8))
-_q8_0_dot_1, _q8_0_dot_4, _q8_0_dot_8 = (_make_rows_dot(False, n, _ISA) for n in (1, 4, 8))
+_dot_1, _dot_4, _dot_8 = (_make_rows_dot(n, _ISA) for n in (1, 4, 8))
 
 
 _KERNEL = dict(cache=True, nogil=True, error_model="numpy")
@@ -458,26 +466,15 @@ def _gemm_groups(qtype, packed, xq, xd, xs, out, g_lo, g_hi):
         wgroup = packed[g]
         n0 = g * LANES
         b = 0
-        if qtype == Q4_1:
-            while b + 8 <= batch:
-                _q4_1_dot_8(wgroup, xq, xd, xs, b, out, n0)
-                b += 8
-            while b + 4 <= batch:
-                _q4_1_dot_4(wgroup, xq, xd, xs, b, out, n0)
-                b += 4
-            while b < batch:
-                _q4_1_dot_1(wgroup, xq, xd, xs, b, out, n0)
-                b += 1
-        else:
-            while b + 8 <= batch:
-                _q8_0_dot_8(wgroup, xq, xd, xs, b, out, n0)
-                b += 8
-            while b + 4 <= batch:
-                _q8_0_dot_4(wgroup, xq, xd, xs, b, out, n0)
-                b += 4
-            while b < batch:
-                _q8_0_dot_1(wgroup, xq, xd, xs, b, out, n0)
-                b += 1
+        while b + 8 <= batch:
+            _dot_8(qtype, wgroup, xq, xd, xs, b, out, n0)
+            b += 8
+        while b + 4 <= batch:
+            _dot_4(qtype, wgroup, xq, xd, xs, b, out, n0)
+            b += 4
+        while b < batch:
+            _dot_1(qtype, wgroup, xq, xd, xs, b, out, n0)
+            b += 1
 
 
 @numba.njit(parallel=True, **_KERNEL)
@@ -509,16 +506,13 @@ def matmul(qtype: int, packed: np.ndarray, x: np.ndarray, out: np.ndarray, threa
 def _serial_gemm(isa: str) -> Any:
     """A one-row-at-a-time gemm on the kernels of another instruction set (not cached on disk), for tests: on a
     VNNI machine the AVX2 variant runs too, and must give the same bits (the integer sums are exact either way)."""
-    q4_1_dot, q8_0_dot = _make_rows_dot(True, 1, isa), _make_rows_dot(False, 1, isa)
+    dot = _make_rows_dot(1, isa)
 
     @numba.njit(nogil=True, error_model="numpy")
     def gemm(qtype, packed, xq, xd, xs, out):
         for g in range(packed.shape[0]):
             for b in range(xq.shape[0]):
-                if qtype == Q4_1:
-                    q4_1_dot(packed[g], xq, xd, xs, b, out, g * LANES)
-                else:
-                    q8_0_dot(packed[g], xq, xd, xs, b, out, g * LANES)
+                dot(qtype, packed[g], xq, xd, xs, b, out, g * LANES)
 
     return gemm
 

@@ -21,6 +21,7 @@ from numba.extending import intrinsic
 
 from pantheon.kernels.cpu import HOST_CPU_FEATURES
 from pantheon.kernels.cpu.attend_ir import LANES, MAX_WIDTH, key_scores_intrinsic, value_accumulate_intrinsic
+from pantheon.kernels.cpu.llvm_ir import call
 
 # 'reassoc' lets LLVM vectorize sum and dot reductions; 'contract' allows FMAs. Neither assumes finite
 # values, so NaN and inf still propagate the way IEEE says. error_model="numpy" drops the ZeroDivisionError
@@ -260,9 +261,7 @@ def _fma32(typingctx, a, b, c):  # type: ignore[no-untyped-def]
     """a * b + c on float32, rounded once (llvm.fma: never split, whatever the caller's fast-math flags)."""
 
     def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-        f32 = ir.FloatType()
-        fn = builder.module.declare_intrinsic("llvm.fma.f32", fnty=ir.FunctionType(f32, [f32, f32, f32]))
-        return builder.call(fn, list(args))
+        return call(builder, "llvm.fma.f32", ir.FloatType(), list(args))
 
     return types.float32(types.float32, types.float32, types.float32), codegen
 
@@ -501,16 +500,12 @@ def _swiglu_parallel(gate, up, out):
 
 @_njit
 def _swiglu_stacked_row(gate_up, out, t):
-    row = gate_up[t]
-    out_row = out[t]
-    width = out_row.shape[0]
-    for i in range(width):
-        out_row[i] = _silu_times(row[i], row[width + i])
+    _swiglu_stacked_cols(gate_up, out, t, 0, out.shape[1])
 
 
 @_njit
 def _swiglu_stacked_cols(gate_up, out, t, lo, hi):
-    """`_swiglu_stacked_row`'s values for columns lo .. hi - 1 of row t, the same bits."""
+    """SwiGLU of row t of the stacked gate|up rows, columns lo .. hi - 1 (a team shares a row's columns out)."""
     row = gate_up[t]
     out_row = out[t]
     width = out_row.shape[0]
