@@ -1,5 +1,6 @@
 """pantheon.http.fastsend: hypercorn's socket writes take one write(2) when they can, and hypercorn's own road
-for whatever that write did not take, with the bytes intact and in order."""
+for whatever that write did not take, with the bytes intact and in order; `body_writer` frames a chunked
+response's body chunks itself, the same way."""
 
 from __future__ import annotations
 
@@ -127,3 +128,134 @@ async def test_a_served_stream_arrives_intact_through_a_slow_reader(monkeypatch:
         at = eol + 2 + size + 2
     assert hashlib.sha256(decoded).hexdigest() == expected
     assert roads.count("whole") >= 2000 and "part" in roads and "hypercorn" in roads
+
+
+def _lifespan_or(handler: Any) -> Any:
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                else:
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        await handler(send)
+    return app
+
+
+async def _serve_once(app: Any, request: bytes, done: Any, wait_s: float = 0.0) -> bytes:
+    """The raw response to one request (read until `done(raw)`), from hypercorn serving app on a free port."""
+    config = Config()
+    config.bind = ["127.0.0.1:0"]
+    config.accesslog = None
+    shutdown = trio.Event()
+    raw = b""
+    async with trio.open_nursery() as nursery:
+        binds = await nursery.start(partial(serve, app, config, shutdown_trigger=shutdown.wait))
+        port = int(binds[0].rsplit(":", 1)[1])
+        client = await trio.open_tcp_stream("127.0.0.1", port)
+        await client.send_all(request)
+        await trio.sleep(wait_s)
+        with trio.fail_after(60):
+            while not done(raw):
+                data = await client.receive_some(1 << 20)
+                if not data:
+                    break
+                raw += data
+        await client.aclose()
+        shutdown.set()
+    return raw
+
+
+def _unchunked(body: bytes) -> bytes:
+    decoded, at = b"", 0
+    while True:
+        eol = body.index(b"\r\n", at)
+        size = int(body[at:eol], 16)
+        if size == 0:
+            return decoded
+        decoded += body[eol + 2:eol + 2 + size]
+        assert body[eol + 2 + size:eol + 4 + size] == b"\r\n"
+        at = eol + 2 + size + 2
+
+
+async def test_a_body_writer_frames_chunks_as_h11_does_through_a_slow_reader(monkeypatch: Any) -> None:
+    """Small chunks, then large ones to a client that waits before reading: the writer's own framing and
+    writes, their rest on hypercorn's road, and the end of the body through hypercorn, arrive as one intact,
+    correctly chunked body."""
+    assert fastsend.install()
+    roads: list[str] = []
+    original = fastsend._installed["original"]
+
+    async def counted_original(server: Any, event: Any) -> None:
+        roads.append("rest")
+        await original(server, event)
+
+    monkeypatch.setitem(fastsend._installed, "original", counted_original)
+    chunks = [b"data: %d\n\n" % i for i in range(2000)] + [bytes([i % 251]) * 2_000_000 for i in range(6)]
+    writers: list[Any] = []
+
+    async def handler(send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+        writer = fastsend.body_writer(send)
+        writers.append(writer)
+        for chunk in chunks:
+            await writer(chunk)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    raw = await _serve_once(_lifespan_or(handler), b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
+                            lambda r: r.endswith(b"\r\n0\r\n\r\n"), wait_s=0.5)
+    assert isinstance(writers[0], fastsend.BodyWriter)
+    head, body = raw.split(b"\r\n\r\n", 1)
+    assert b"transfer-encoding: chunked" in head.lower()
+    assert hashlib.sha256(_unchunked(body)).hexdigest() == hashlib.sha256(b"".join(chunks)).hexdigest()
+    assert "rest" in roads  # the large chunks did not all fit at once
+
+
+async def test_no_body_writer_before_the_body_or_for_an_http_1_0_peer_or_another_send() -> None:
+    """HTTP/1.0 bodies are not chunked (h11 ends them by closing the connection): the writer must not frame."""
+    assert fastsend.install()
+    seen: list[Any] = []
+
+    async def handler(send: Any) -> None:
+        seen.append(fastsend.body_writer(send))  # before http.response.start
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+        seen.append(fastsend.body_writer(send))
+        await send({"type": "http.response.body", "body": b"plain", "more_body": False})
+
+    raw = await _serve_once(_lifespan_or(handler), b"GET / HTTP/1.0\r\n\r\n", lambda r: False)
+    assert seen == [None, None]
+    assert raw.endswith(b"\r\n\r\nplain")
+
+    async def not_hypercorn(message: Any) -> None:
+        pass
+
+    assert fastsend.body_writer(not_hypercorn) is None
+
+
+async def test_a_body_writer_sends_through_hypercorn_while_another_write_holds_the_lock() -> None:
+    assert fastsend.install()
+    order: list[str] = []
+
+    async def handler(send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+        writer = fastsend.body_writer(send)
+        assert writer is not None
+        lock = writer._server.send_lock
+        async def hold(task_status: Any) -> None:  # as another write waiting for the socket would
+            async with lock:
+                task_status.started()
+                await trio.sleep(0.2)
+                order.append("released")
+
+        async with trio.open_nursery() as nursery:
+            await nursery.start(hold)
+            await writer(b"after the lock")  # must wait for the lock: hypercorn's road
+            order.append("written")
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    raw = await _serve_once(_lifespan_or(handler), b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
+                            lambda r: r.endswith(b"\r\n0\r\n\r\n"))
+    assert order == ["released", "written"]
+    assert _unchunked(raw.split(b"\r\n\r\n", 1)[1]) == b"after the lock"

@@ -20,7 +20,7 @@ from pantheon.chat.request import ChatRequest, parse_chat_request
 from pantheon.chat.structure import required_with_thinking
 from pantheon.config import EnvKnobs
 from pantheon.errors import ApiError
-from pantheon.http import admin_routes, session_routes
+from pantheon.http import admin_routes, fastsend, session_routes
 from pantheon.http.admin_routes import residency
 from pantheon.metrics import Metrics, standard_metrics
 from pantheon.http.asgi import (
@@ -97,6 +97,8 @@ class App:
             if message["type"] == "http.response.start":
                 status = message["status"]
             await send(message)
+
+        counting_send.__wrapped__ = send  # type: ignore[attr-defined]  # fastsend.body_writer looks through it
 
         handler = self.routes.get((method, path))
         try:
@@ -258,8 +260,13 @@ class App:
 
     @staticmethod
     async def _relay(completion: chat_completion.Completion, send: Send) -> None:
+        write_body = fastsend.body_writer(send)
+
         async def emit(chunk: dict[str, Any]) -> None:
-            await send({"type": "http.response.body", "body": sse_data(chunk), "more_body": True})
+            if write_body is not None:
+                await write_body(sse_data(chunk))
+            else:
+                await send({"type": "http.response.body", "body": sse_data(chunk), "more_body": True})
 
         try:
             await chat_completion.stream(completion, emit)

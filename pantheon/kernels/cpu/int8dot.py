@@ -138,6 +138,23 @@ def _group_block_base(j: ir.Value, q4: bool, builder: ir.IRBuilder) -> ir.Value:
     return builder.mul(j, ir.Constant(_i64, Q4_1_GROUP if q4 else Q8_0_GROUP))
 
 
+def _prefetch_next_group(builder: ir.IRBuilder, q4: bool, wptr: ir.Value, n_blocks: ir.Value, j: ir.Value) -> None:
+    """Ask for block j of the next packed group (the next row of the packed matrix, where a chunk of groups
+    goes next) with the non-temporal hint: a group ahead is further than the hardware prefetcher runs, and the
+    weights are read once per matmul, so they should not push the activations out of the caches. For the
+    one-row kernel only: there the loop waits on memory (batch-1 decode step on the 2-core Zen 3 VM, 5 rounds
+    of 200 steps alternating with a build without it: 6-27% faster, every round); with 4 or 8 rows the loop
+    is bound by its arithmetic and a prefetch is one more instruction. A prefetch past the matrix's end
+    touches nothing (it never faults)."""
+    group = Q4_1_GROUP if q4 else Q8_0_GROUP
+    ahead = builder.add(builder.mul(n_blocks, ir.Constant(_i64, group)), _group_block_base(j, q4, builder))
+    for line in range(0, group, 64):
+        address = builder.gep(wptr, [builder.add(ahead, ir.Constant(_i64, line))])
+        # llvm.prefetch(address, read, locality 0 = non-temporal, data cache)
+        call(builder, "llvm.prefetch.p0", ir.VoidType(), [address, ir.Constant(_i32, 0), ir.Constant(_i32, 0),
+                                                          ir.Constant(_i32, 1)])
+
+
 def _weight_block(builder: ir.IRBuilder, isa: str, q4: bool, wptr: ir.Value, j: ir.Value
                   ) -> tuple[list[ir.Value], ir.Value, ir.Value | None]:
     """The weight side of block j of a packed group of 8 rows: the eight vectors that meet the broadcast
@@ -269,6 +286,8 @@ def _make_rows_dot(n_x: int, isa: str) -> Any:
         firsts = [builder.mul(row, n_blocks) for row in rows]  # of the row's scales in xd / xs
 
         def dots(j: ir.Value, accs: list[ir.Value]) -> list[ir.Value]:
+            if n_x == 1:
+                _prefetch_next_group(builder, q4, wptr, n_blocks, j)
             weights, d_w, corrections = _weight_block(builder, isa, q4, wptr, j)
             return [_row_block(builder, isa, q4, weights, d_w, corrections,
                                builder.gep(xrows[r], [builder.mul(j, ir.Constant(_i64, QK))]),
