@@ -259,3 +259,27 @@ async def test_a_body_writer_sends_through_hypercorn_while_another_write_holds_t
                             lambda r: r.endswith(b"\r\n0\r\n\r\n"))
     assert order == ["released", "written"]
     assert _unchunked(raw.split(b"\r\n\r\n", 1)[1]) == b"after the lock"
+
+
+async def test_write_now_keeps_what_the_socket_did_not_take_for_flush() -> None:
+    """write_now never waits: past a full socket buffer its chunks queue up in order, and flush sends them."""
+    assert fastsend.install()
+    chunks = [b"data: %d\n\n" % i for i in range(100)] + [bytes([i % 251]) * 1_000_000 for i in range(4)] + \
+        [b"data: tail %d\n\n" % i for i in range(100)]
+    states: list[bool] = []
+
+    async def handler(send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+        writer = fastsend.body_writer(send)
+        assert writer is not None and writer.ready()
+        for chunk in chunks:
+            writer.write_now(chunk)
+        states.append(writer.ready())  # a backlog: not ready until flushed
+        await writer.flush()
+        states.append(writer.ready())
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    raw = await _serve_once(_lifespan_or(handler), b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
+                            lambda r: r.endswith(b"\r\n0\r\n\r\n"), wait_s=0.3)
+    assert states == [False, True]
+    assert _unchunked(raw.split(b"\r\n\r\n", 1)[1]) == b"".join(chunks)

@@ -261,6 +261,9 @@ class App:
     @staticmethod
     async def _relay(completion: chat_completion.Completion, send: Send) -> None:
         write_body = fastsend.body_writer(send)
+        now = None
+        if write_body is not None:
+            now = chat_completion.NowSink(write_body.ready, lambda chunk: write_body.write_now(sse_data(chunk)))
 
         async def emit(chunk: dict[str, Any]) -> None:
             if write_body is not None:
@@ -269,11 +272,13 @@ class App:
                 await send({"type": "http.response.body", "body": sse_data(chunk), "more_body": True})
 
         try:
-            await chat_completion.stream(completion, emit)
+            await chat_completion.stream(completion, emit, now)
         except Exception as exc:  # the status is already sent: report in-band, then end the stream
             error = _single(exc)
             api_error = error if isinstance(error, ApiError) else internal_error(error)
-            await send({"type": "http.response.body", "body": sse_data(api_error.body()), "more_body": True})
+            await emit(api_error.body())
+        if write_body is not None:
+            await write_body.flush()  # before the end of the body, which goes through hypercorn
 
 
 def _single(exc: BaseException) -> BaseException:

@@ -53,7 +53,8 @@ def _short_road(server: Any, event: Any, raw_data: type) -> Any:
 
 class BodyWriter:
     """Sends the body chunks of one chunked HTTP/1.1 response; `await writer(body)` in place of an ASGI
-    `http.response.body` message with more_body=True. Only for the task that sends that response."""
+    `http.response.body` message with more_body=True. Only for the task that sends that response (and
+    `write_now` from the event loop's callbacks while that task waits)."""
 
     def __init__(self, send: Any, http_stream: Any, connection: h11.Connection, server: Any, raw_data: type) -> None:
         self._send = send
@@ -61,20 +62,42 @@ class BodyWriter:
         self._connection = connection
         self._server = server
         self._raw_data = raw_data
+        self._backlog = b""  # framed bytes a write_now left, sent before anything else
 
-    async def __call__(self, body: bytes) -> None:
-        server = self._server
-        if (not body or self._connection.our_state is not h11.SEND_BODY or self._http_stream.closed
-                or server.send_lock.locked()):
-            await self._send({"type": "http.response.body", "body": body, "more_body": True})
-            return
+    def ready(self) -> bool:
+        """Whether `write_now` may send now: the response is in its body, with no other write holding the
+        socket and nothing left over from an earlier write_now."""
+        return (not self._backlog and self._connection.our_state is h11.SEND_BODY and not self._http_stream.closed
+                and not self._server.send_lock.locked())
+
+    def write_now(self, body: bytes) -> None:
+        """Send body as the next chunk without waiting (after `ready()`, or after another write_now): what the
+        socket does not take at once waits for the next `await writer(...)` or `flush()`, which send it first."""
+        if not body:
+            return  # an empty chunk would end the body
         framed = b"%x\r\n%b\r\n" % (len(body), body)
+        if self._backlog:
+            self._backlog += framed
+            return
         try:
-            sent = os.write(server.stream.socket.fileno(), framed)
+            sent = os.write(self._server.stream.socket.fileno(), framed)
         except OSError:  # would block, or a broken connection: hypercorn's road waits, or reports it
             sent = 0
-        if sent < len(framed):
-            await _installed["original"](server, self._raw_data(data=framed[sent:]))
+        self._backlog = framed[sent:]
+
+    async def flush(self) -> None:
+        """Send what `write_now` left, on hypercorn's road (before any other write of this response)."""
+        if self._backlog:
+            rest, self._backlog = self._backlog, b""
+            await _installed["original"](self._server, self._raw_data(data=rest))
+
+    async def __call__(self, body: bytes) -> None:
+        await self.flush()
+        if not body or not self.ready():
+            await self._send({"type": "http.response.body", "body": body, "more_body": True})
+            return
+        self.write_now(body)
+        await self.flush()
 
 
 def body_writer(send: Any) -> BodyWriter | None:

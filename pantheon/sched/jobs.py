@@ -32,6 +32,9 @@ class GenerationJob:
     cancelled: bool = False
     # The scheduler's wake-up hook, so a cancelled job leaves the queue at once.
     on_cancel: Any = None
+    # The consumer's synchronous hand-off, tried before the events channel (event loop): on_token(sampled) is
+    # True when it took the token there and then, False to have it sent as a TokenEvent.
+    on_token: Any = None
 
     def cancel(self) -> None:
         if not self.cancelled:

@@ -552,7 +552,8 @@ class Scheduler:
         self.metrics.inc("pantheon_tokens_decoded_total", model=self.served.name)
         if controller is not None:
             controller.advance(token)
-        if not self._send(active.events, TokenEvent(sampled)):
+        on_token = active.job.on_token
+        if not (on_token is not None and on_token(sampled)) and not self._send(active.events, TokenEvent(sampled)):
             self._release(active)
             return
         if active.repetition.push(token):
