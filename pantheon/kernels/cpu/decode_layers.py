@@ -126,11 +126,14 @@ def _team_layers(n_threads, spin_limit, sync, claims, x, h, qtypes, rows, flips,
             if not _matmul_phases(h, q_d, flips[li, QKV], qtypes[li, QKV], w_qkv[li], qkv, claims, phase, sync, t,
                                   n_threads, spin_limit):
                 break
+            # Taken from the lists once a layer: each list access increments and decrements the array's reference
+            # count, an atomic on a word both threads share.
+            k_pool, v_pool = k_pools[li], v_pools[li]
             while True:  # items differ in length (each sequence its own context): claimed one by one
                 item = team.claim(claims, phase + 1)
                 if item >= n_items:
                     break
-                ops._attention_qkv_item(item, qkv, False, cos_table, sin_table, k_pools[li], v_pools[li], slots,
+                ops._attention_qkv_item(item, qkv, False, cos_table, sin_table, k_pool, v_pool, slots,
                                         positions, scale32, attn, first_item, per_subgroup, n_subgroups, part_max,
                                         part_sum, part_acc)
             if not team.barrier(sync, t, n_threads, spin_limit):

@@ -138,7 +138,7 @@ def _group_block_base(j: ir.Value, q4: bool, builder: ir.IRBuilder) -> ir.Value:
     return builder.mul(j, ir.Constant(_i64, Q4_1_GROUP if q4 else Q8_0_GROUP))
 
 
-def _prefetch_next_group(builder: ir.IRBuilder, q4: bool, wptr: ir.Value, n_blocks: ir.Value, j: ir.Value) -> None:
+def _prefetch_next_group(builder: ir.IRBuilder, q4: bool, wptr: ir.Value, row_bytes: ir.Value, j: ir.Value) -> None:
     """Ask for block j of the next packed group (the next row of the packed matrix, where a chunk of groups
     goes next) with the non-temporal hint: a group ahead is further than the hardware prefetcher runs, and the
     weights are read once per matmul, so they should not push the activations out of the caches. For the
@@ -147,7 +147,7 @@ def _prefetch_next_group(builder: ir.IRBuilder, q4: bool, wptr: ir.Value, n_bloc
     is bound by its arithmetic and a prefetch is one more instruction. A prefetch past the matrix's end
     touches nothing (it never faults)."""
     group = Q4_1_GROUP if q4 else Q8_0_GROUP
-    ahead = builder.add(builder.mul(n_blocks, ir.Constant(_i64, group)), _group_block_base(j, q4, builder))
+    ahead = builder.add(row_bytes, _group_block_base(j, q4, builder))
     for line in range(0, group, 64):
         address = builder.gep(wptr, [builder.add(ahead, ir.Constant(_i64, line))])
         # llvm.prefetch(address, read, locality 0 = non-temporal, data cache)
@@ -246,9 +246,9 @@ def _block_loop(builder: ir.IRBuilder, name: str, n_blocks: ir.Value, n_acc: int
 
 
 def _make_rows_dot(n_x: int, isa: str) -> Any:
-    """An intrinsic (qtype, wgroup, xq, xd, xs, b, out, n0) that sets out[b + r, n0 : n0 + 8] (the part of it
-    inside out) for r < n_x to the dot products of one packed group of 8 weight rows (`pack_weight`, Q4_1 or
-    Q8_0 as qtype says) with activation row b + r as `quantize_rows` left it.
+    """An intrinsic (qtype, packed, g, xq, xd, xs, b, out, n0) that sets out[b + r, n0 : n0 + 8] (the part of it
+    inside out) for r < n_x to the dot products of packed group g of 8 weight rows (row g of a `pack_weight`
+    matrix, Q4_1 or Q8_0 as qtype says) with activation row b + r as `quantize_rows` left it.
 
     An output's sum is the same sequence of float operations for every n_x: blocks in order into one 8-lane
     float32 accumulator (lane = weight row), Q4_1's m terms into a second, the two added at the end. Several
@@ -256,8 +256,8 @@ def _make_rows_dot(n_x: int, isa: str) -> Any:
     over the blocks after the integer one: their accumulators would not fit in AVX2's 16 vector registers
     beside the integer loop's (it spilled to the stack at n_x = 8), and a separate chain gives the same bits."""
 
-    def rows_dot(typingctx, qtype, wgroup, xq, xd, xs, b, out, n0):
-        return types.void(qtype, wgroup, xq, xd, xs, b, out, n0), codegen
+    def rows_dot(typingctx, qtype, packed, g, xq, xd, xs, b, out, n0):
+        return types.void(qtype, packed, g, xq, xd, xs, b, out, n0), codegen
 
     def codegen(context, builder, signature, args):
         qtype = args[0]
@@ -270,14 +270,17 @@ def _make_rows_dot(n_x: int, isa: str) -> Any:
         return context.get_dummy_value()
 
     def emit(context, builder, arg_types, args, q4):  # type: ignore[no-untyped-def]
-        wgroup_t, xq_t, xd_t, xs_t, _, out_t, _ = arg_types
-        w = context.make_array(wgroup_t)(context, builder, args[0])
-        x = context.make_array(xq_t)(context, builder, args[1])
-        d = context.make_array(xd_t)(context, builder, args[2])
-        s = context.make_array(xs_t)(context, builder, args[3])
-        o = context.make_array(out_t)(context, builder, args[5])
-        b0, n0 = args[4], args[6]
-        wptr = builder.bitcast(w.data, _i8.as_pointer())
+        packed_t, _, xq_t, xd_t, xs_t, _, out_t, _ = arg_types
+        w = context.make_array(packed_t)(context, builder, args[0])
+        x = context.make_array(xq_t)(context, builder, args[2])
+        d = context.make_array(xd_t)(context, builder, args[3])
+        s = context.make_array(xs_t)(context, builder, args[4])
+        o = context.make_array(out_t)(context, builder, args[6])
+        b0, n0 = args[5], args[7]
+        # Row g of the packed matrix, addressed here: a packed[g] view per group (made by the caller) cost an
+        # atomic increment and decrement of the matrix's reference count, on a count both threads share.
+        row_bytes = builder.extract_value(w.strides, 0)
+        wptr = builder.gep(builder.bitcast(w.data, _i8.as_pointer()), [builder.mul(args[1], row_bytes)])
         n_blocks = builder.extract_value(d.shape, 1)
         k_dim = builder.extract_value(x.shape, 1)
         n_out = builder.extract_value(o.shape, 1)
@@ -287,7 +290,7 @@ def _make_rows_dot(n_x: int, isa: str) -> Any:
 
         def dots(j: ir.Value, accs: list[ir.Value]) -> list[ir.Value]:
             if n_x == 1:
-                _prefetch_next_group(builder, q4, wptr, n_blocks, j)
+                _prefetch_next_group(builder, q4, wptr, row_bytes, j)
             weights, d_w, corrections = _weight_block(builder, isa, q4, wptr, j)
             return [_row_block(builder, isa, q4, weights, d_w, corrections,
                                builder.gep(xrows[r], [builder.mul(j, ir.Constant(_i64, QK))]),
@@ -482,17 +485,16 @@ def _gemm_groups(qtype, packed, xq, xd, xs, out, g_lo, g_hi):
     are used for every activation row while they are in L1."""
     batch = xq.shape[0]
     for g in range(g_lo, g_hi):
-        wgroup = packed[g]
         n0 = g * LANES
         b = 0
         while b + 8 <= batch:
-            _dot_8(qtype, wgroup, xq, xd, xs, b, out, n0)
+            _dot_8(qtype, packed, g, xq, xd, xs, b, out, n0)
             b += 8
         while b + 4 <= batch:
-            _dot_4(qtype, wgroup, xq, xd, xs, b, out, n0)
+            _dot_4(qtype, packed, g, xq, xd, xs, b, out, n0)
             b += 4
         while b < batch:
-            _dot_1(qtype, wgroup, xq, xd, xs, b, out, n0)
+            _dot_1(qtype, packed, g, xq, xd, xs, b, out, n0)
             b += 1
 
 
@@ -531,7 +533,7 @@ def _serial_gemm(isa: str) -> Any:
     def gemm(qtype, packed, xq, xd, xs, out):
         for g in range(packed.shape[0]):
             for b in range(xq.shape[0]):
-                dot(qtype, packed[g], xq, xd, xs, b, out, g * LANES)
+                dot(qtype, packed, g, xq, xd, xs, b, out, g * LANES)
 
     return gemm
 
