@@ -140,12 +140,12 @@ def _group_block_base(j: ir.Value, q4: bool, builder: ir.IRBuilder) -> ir.Value:
 
 def _prefetch_next_group(builder: ir.IRBuilder, q4: bool, wptr: ir.Value, row_bytes: ir.Value, j: ir.Value) -> None:
     """Ask for block j of the next packed group (the next row of the packed matrix, where a chunk of groups
-    goes next) with the non-temporal hint: a group ahead is further than the hardware prefetcher runs, and the
-    weights are read once per matmul, so they should not push the activations out of the caches. For the
-    one-row kernel only: there the loop waits on memory (batch-1 decode step on the 2-core Zen 3 VM, 5 rounds
-    of 200 steps alternating with a build without it: 6-27% faster, every round); with 4 or 8 rows the loop
-    is bound by its arithmetic and a prefetch is one more instruction. A prefetch past the matrix's end
-    touches nothing (it never faults)."""
+    goes next), non-temporal (the weights are read once a step): a group ahead is further than the hardware
+    prefetcher runs. For the one-row kernel only, whose loop waits on memory: the batch-1 decode step on the
+    2-core Zen 3 VM was 5-16% faster in 9 of 10 rounds of two A/B runs (200 steps a round, alternating with
+    a build without it; the tenth round was an outlier of the other build). With 4 or 8 rows the loop is
+    bound by its arithmetic and a prefetch is one more instruction. A prefetch past the matrix's end touches
+    nothing (it never faults)."""
     group = Q4_1_GROUP if q4 else Q8_0_GROUP
     ahead = builder.add(row_bytes, _group_block_base(j, q4, builder))
     for line in range(0, group, 64):
