@@ -30,6 +30,56 @@ def _stream_pair() -> tuple[trio.SocketStream, socket.socket]:
     return trio.SocketStream(trio.socket.from_stdlib_socket(a)), b
 
 
+def _lifespan_or(handler: Any) -> Any:
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                else:
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        await handler(send)
+    return app
+
+
+async def _serve_once(app: Any, request: bytes, done: Any, wait_s: float = 0.0) -> bytes:
+    """The raw response to one request (read until `done(raw)`), from hypercorn serving app on a free port."""
+    config = Config()
+    config.bind = ["127.0.0.1:0"]
+    config.accesslog = None
+    shutdown = trio.Event()
+    raw = b""
+    async with trio.open_nursery() as nursery:
+        binds = await nursery.start(partial(serve, app, config, shutdown_trigger=shutdown.wait))
+        port = int(binds[0].rsplit(":", 1)[1])
+        client = await trio.open_tcp_stream("127.0.0.1", port)
+        await client.send_all(request)
+        await trio.sleep(wait_s)
+        with trio.fail_after(60):
+            while not done(raw):
+                data = await client.receive_some(1 << 20)
+                if not data:
+                    break
+                raw += data
+        await client.aclose()
+        shutdown.set()
+    return raw
+
+
+def _unchunked(body: bytes) -> bytes:
+    decoded, at = b"", 0
+    while True:
+        eol = body.index(b"\r\n", at)
+        size = int(body[at:eol], 16)
+        if size == 0:
+            return decoded
+        decoded += body[eol + 2:eol + 2 + size]
+        assert body[eol + 2 + size:eol + 4 + size] == b"\r\n"
+        at = eol + 2 + size + 2
+
+
 async def test_a_write_the_socket_takes_whole_never_reaches_hypercorn() -> None:
     stream, peer = _stream_pair()
     with peer:
@@ -86,98 +136,18 @@ async def test_a_served_stream_arrives_intact_through_a_slow_reader(monkeypatch:
     chunks = [b"data: %d\n\n" % i for i in range(2000)] + [bytes([i % 251]) * 2_000_000 for i in range(6)]
     expected = hashlib.sha256(b"".join(chunks)).hexdigest()
 
-    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "lifespan":
-            while True:
-                message = await receive()
-                if message["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-                else:
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
+    async def handler(send: Any) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
         for chunk in chunks:
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
-    config = Config()
-    config.bind = ["127.0.0.1:0"]
-    config.accesslog = None
-    shutdown = trio.Event()
-    async with trio.open_nursery() as nursery:
-        binds = await nursery.start(partial(serve, app, config, shutdown_trigger=shutdown.wait))
-        port = int(binds[0].rsplit(":", 1)[1])
-        client = await trio.open_tcp_stream("127.0.0.1", port)
-        await client.send_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
-        await trio.sleep(0.5)  # the server's writes fill the socket buffers meanwhile
-        raw = b""
-        with trio.fail_after(60):
-            # The end of the chunked body may arrive split over two reads: test what has arrived, not the last read.
-            while not raw.endswith(b"\r\n0\r\n\r\n"):
-                raw += await client.receive_some(1 << 20)
-        await client.aclose()
-        shutdown.set()
-    body = raw.split(b"\r\n\r\n", 1)[1]
-    decoded, at = b"", 0
-    while True:  # undo the chunked framing
-        eol = body.index(b"\r\n", at)
-        size = int(body[at:eol], 16)
-        if size == 0:
-            break
-        decoded += body[eol + 2:eol + 2 + size]
-        at = eol + 2 + size + 2
-    assert hashlib.sha256(decoded).hexdigest() == expected
+    # The server's writes fill the socket buffers while the client waits; the end of the chunked body may
+    # arrive split over two reads: test what has arrived, not the last read.
+    raw = await _serve_once(_lifespan_or(handler), b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
+                            lambda r: r.endswith(b"\r\n0\r\n\r\n"), wait_s=0.5)
+    assert hashlib.sha256(_unchunked(raw.split(b"\r\n\r\n", 1)[1])).hexdigest() == expected
     assert roads.count("whole") >= 2000 and "part" in roads and "hypercorn" in roads
-
-
-def _lifespan_or(handler: Any) -> Any:
-    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "lifespan":
-            while True:
-                message = await receive()
-                if message["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-                else:
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
-        await handler(send)
-    return app
-
-
-async def _serve_once(app: Any, request: bytes, done: Any, wait_s: float = 0.0) -> bytes:
-    """The raw response to one request (read until `done(raw)`), from hypercorn serving app on a free port."""
-    config = Config()
-    config.bind = ["127.0.0.1:0"]
-    config.accesslog = None
-    shutdown = trio.Event()
-    raw = b""
-    async with trio.open_nursery() as nursery:
-        binds = await nursery.start(partial(serve, app, config, shutdown_trigger=shutdown.wait))
-        port = int(binds[0].rsplit(":", 1)[1])
-        client = await trio.open_tcp_stream("127.0.0.1", port)
-        await client.send_all(request)
-        await trio.sleep(wait_s)
-        with trio.fail_after(60):
-            while not done(raw):
-                data = await client.receive_some(1 << 20)
-                if not data:
-                    break
-                raw += data
-        await client.aclose()
-        shutdown.set()
-    return raw
-
-
-def _unchunked(body: bytes) -> bytes:
-    decoded, at = b"", 0
-    while True:
-        eol = body.index(b"\r\n", at)
-        size = int(body[at:eol], 16)
-        if size == 0:
-            return decoded
-        decoded += body[eol + 2:eol + 2 + size]
-        assert body[eol + 2 + size:eol + 4 + size] == b"\r\n"
-        at = eol + 2 + size + 2
 
 
 async def test_a_body_writer_frames_chunks_as_h11_does_through_a_slow_reader(monkeypatch: Any) -> None:
