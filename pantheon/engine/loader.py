@@ -137,8 +137,12 @@ class QuantizeAtLoad:
                                            info.rows, info.cols)
 
 
-def load_served_model(options: ModelOptions, env: EnvKnobs, backend: Any) -> LoadedModel:
-    gguf = open_gguf(options.path, env.cache_dir)
+def load_served_model(options: ModelOptions, env: EnvKnobs, backend: Any, gguf: GGUFFile | None = None
+                      ) -> LoadedModel:
+    """The model, tokenizer and template of options.path, warmed up. `gguf`: the file already opened
+    (`open_gguf`), which this then owns."""
+    if gguf is None:
+        gguf = open_gguf(options.path, env.cache_dir)
     if options.quantize:
         backend = QuantizeAtLoad(backend)
     try:
