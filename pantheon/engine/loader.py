@@ -137,37 +137,61 @@ class QuantizeAtLoad:
                                            info.rows, info.cols)
 
 
-def load_served_model(options: ModelOptions, env: EnvKnobs, backend: Any, gguf: GGUFFile | None = None
-                      ) -> LoadedModel:
-    """The model, tokenizer and template of options.path, warmed up. `gguf`: the file already opened
-    (`open_gguf`), which this then owns."""
-    if gguf is None:
-        gguf = open_gguf(options.path, env.cache_dir)
-    if options.quantize:
-        backend = QuantizeAtLoad(backend)
+@dataclass
+class ModelFile:
+    """What a load reads from the file, with no backend: the metadata (a child process parses a file seen for
+    the first time: seconds), the tokenizers and the chat template. `read_model_file` can run on any thread;
+    only building the model and its warm-up forward (`load_served_model`) belong on the forward thread, where
+    every other model's decode steps wait behind them."""
+
+    gguf: GGUFFile
+    tokenizer: Tokenizer
+    template: ChatTemplate
+    lltokenizer: Any  # llguidance's view of the vocabulary, or None
+    weights_version: int
+
+
+def read_model_file(options: ModelOptions, env: EnvKnobs) -> ModelFile:
+    gguf = open_gguf(options.path, env.cache_dir)
     try:
-        model = load_model(gguf, backend)
         tokenizer = _load_tokenizer(gguf, env.cache_dir)
         bos = tokenizer.token_text(tokenizer.bos_id) if tokenizer.bos_id is not None else ""
         eos = tokenizer.token_text(tokenizer.eos_id) if tokenizer.eos_id is not None else ""
         template = ChatTemplate(gguf.metadata.get("tokenizer.chat_template"), bos_token=bos, eos_token=eos)
+        return ModelFile(gguf=gguf, tokenizer=tokenizer, template=template,
+                         lltokenizer=_grammar_tokenizer(tokenizer), weights_version=weights_version_of(gguf))
     except (TokenizerError, TemplateRenderError) as exc:
         gguf.close()
         raise ModelLoadError(f"{options.path}: {exc}") from None
     except Exception:
         gguf.close()
         raise
+
+
+def load_served_model(options: ModelOptions, env: EnvKnobs, backend: Any, file: ModelFile | None = None
+                      ) -> LoadedModel:
+    """The model of options.path on backend, warmed up, with its tokenizer and template. `file`: what
+    `read_model_file` read already (elsewhere), which this then owns."""
+    if file is None:
+        file = read_model_file(options, env)
+    if options.quantize:
+        backend = QuantizeAtLoad(backend)
+    try:
+        model = load_model(file.gguf, backend)
+    except Exception:
+        file.gguf.close()
+        raise
     _warm_up(model)
     ctx_cap = min(options.ctx_cap if options.ctx_cap > 0 else DEFAULT_CTX_CAP, model.context_length)
     return LoadedModel(
-        lltokenizer=_grammar_tokenizer(tokenizer),
+        lltokenizer=file.lltokenizer,
         name=options.name,
         options=options,
-        gguf=gguf,
+        gguf=file.gguf,
         model=model,
-        tokenizer=tokenizer,
-        template=template,
+        tokenizer=file.tokenizer,
+        template=file.template,
         ctx_cap=ctx_cap,
-        weights_version=weights_version_of(gguf),
+        weights_version=file.weights_version,
         created=int(time.time()),
     )

@@ -33,6 +33,15 @@ import trio
 _installed: dict[str, Any] = {}
 
 
+def _write_some(server: Any, data: bytes) -> int:
+    """Bytes of data the connection's socket takes at once: 0 when it would block or the connection broke
+    (hypercorn's road then waits for the socket, or meets the error and reports it)."""
+    try:
+        return os.write(server.stream.socket.fileno(), data)
+    except OSError:
+        return 0
+
+
 def _short_road(server: Any, event: Any, raw_data: type) -> Any:
     """The event to hand to hypercorn's own protocol_send, or None when the write took all of it."""
     if type(event) is not raw_data:
@@ -42,9 +51,8 @@ def _short_road(server: Any, event: Any, raw_data: type) -> Any:
     if type(stream) is not trio.SocketStream or lock is None or lock.locked():
         return event
     data = event.data
-    try:
-        sent = os.write(stream.socket.fileno(), data)
-    except OSError:  # would block, or a broken connection: hypercorn's road waits, or reports it
+    sent = _write_some(server, data)
+    if sent == 0:
         return event
     if sent == len(data):
         return None
@@ -79,11 +87,7 @@ class BodyWriter:
         if self._backlog:
             self._backlog += framed
             return
-        try:
-            sent = os.write(self._server.stream.socket.fileno(), framed)
-        except OSError:  # would block, or a broken connection: hypercorn's road waits, or reports it
-            sent = 0
-        self._backlog = framed[sent:]
+        self._backlog = framed[_write_some(self._server, framed):]
 
     async def flush(self) -> None:
         """Send what `write_now` left, on hypercorn's road (before any other write of this response)."""

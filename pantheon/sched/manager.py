@@ -18,9 +18,8 @@ from typing import Any
 import trio
 
 from pantheon.config import MAX_MODEL_DIES, EnvKnobs, ModelOptions
-from pantheon.engine.loader import LoadedModel, load_served_model
+from pantheon.engine.loader import LoadedModel, load_served_model, read_model_file
 from pantheon.errors import ApiError, ModelLoadError
-from pantheon.io.gguf_file import open_gguf
 from pantheon.metrics import Metrics
 from pantheon.sched.forward_thread import ForwardThread
 from pantheon.sched.memory import read_meminfo
@@ -115,12 +114,11 @@ class ModelManager:
             self._validate(options)  # again: the registry may have changed while we waited
             try:
                 backend = self._backend_for(options)
-                # Opening the file needs no forward thread: for a file not seen before a child process parses
-                # its metadata (3.5 s for a tiny model on the 2-core VM), and on the forward thread every other
-                # model's decode steps would wait behind it. Building the model and its warm-up forward run there.
-                gguf = await trio.to_thread.run_sync(open_gguf, options.path, self.env.cache_dir)
+                # Reading the file needs no forward thread (see ModelFile): there every other model's decode
+                # steps would wait behind it (3.5 s of metadata parsing for a new tiny model on the 2-core VM).
+                file = await trio.to_thread.run_sync(read_model_file, options, self.env)
                 served: LoadedModel = await self._forward_thread(backend).run(
-                    load_served_model, options, self.env, backend, gguf)
+                    load_served_model, options, self.env, backend, file)
             except FileNotFoundError as exc:
                 raise load_failed(404, str(exc)) from None
             except ModelLoadError as exc:

@@ -553,7 +553,8 @@ class Scheduler:
         if controller is not None:
             controller.advance(token)
         on_token = active.job.on_token
-        if not (on_token is not None and on_token(sampled)) and not self._send(active.events, TokenEvent(sampled)):
+        taken = on_token is not None and on_token(sampled)  # the consumer took it at once (completion.py)
+        if not taken and not self._send(active.events, TokenEvent(sampled)):
             self._release(active)
             return
         if active.repetition.push(token):
