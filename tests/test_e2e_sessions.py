@@ -19,7 +19,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -87,15 +87,24 @@ def exported(server: ServerProcess, session_id: str) -> dict[str, Any]:
 _PREFIX = struct.Struct("<8sII")
 
 
-def reweigh(blob: bytes, weights_version: int) -> bytes:
-    """The same blob claiming other weights, with a correct checksum."""
+def reheader(blob: bytes, edit: Callable[[dict[str, Any]], None]) -> bytes:
+    """The same blob with its JSON header changed by `edit`, and a correct checksum (anyone can make one)."""
     body = blob[:-32]
     magic, version, header_len = _PREFIX.unpack_from(body, 0)
     header = json.loads(body[_PREFIX.size:_PREFIX.size + header_len])
-    header["weights_version"] = weights_version
+    edit(header)
     header_bytes = json.dumps(header, separators=(",", ":")).encode()
     new_body = _PREFIX.pack(magic, version, len(header_bytes)) + header_bytes + body[_PREFIX.size + header_len:]
     return new_body + hashlib.blake2b(new_body, digest_size=32).digest()
+
+
+def reweigh(blob: bytes, weights_version: int) -> bytes:
+    """The same blob claiming other weights, with a correct checksum."""
+    return reheader(blob, lambda header: header.__setitem__("weights_version", weights_version))
+
+
+def _first_array(key: str, value: Any) -> Callable[[dict[str, Any]], None]:
+    return lambda header: header["arrays"][0].__setitem__(key, value)
 
 
 def b64(blob: bytes) -> str:
@@ -388,6 +397,14 @@ def _rejections(snap: dict[str, Any]) -> list[tuple[str, dict[str, Any] | bytes,
         ("empty-body", b"", 400, "invalid_request_error"),
         ("not-an-object", b"[1, 2, 3]", 400, "invalid_request_error"),
     ]
+    # Headers forged with a valid checksum: the checksum proves nothing about who wrote the blob.
+    forged = {"object-dtype": _first_array("dtype", "|O"), "void-dtype": _first_array("dtype", "|V0"),
+              "huge-shape": _first_array("shape", [2**40, 2**40, 2**40]), "overflow-shape": _first_array(
+                  "shape", [2**62, 4]), "float-shape": _first_array("shape", [1.5]),
+              "arrays-not-a-list": lambda header: header.__setitem__("arrays", 5),
+              "array-not-an-object": lambda header: header.__setitem__("arrays", [7])}
+    for label, edit in forged.items():
+        cases.append((f"forged-{label}", {**good, "blob": b64(reheader(blob, edit))}, 400, "bad_session_blob"))
     for cut in (0, 10, 16, len(blob) // 2, len(blob) - 33, len(blob) - 1):
         cases.append((f"truncated-{cut}", {**good, "blob": b64(blob[:cut])}, 400, "bad_session_blob"))
     rng = random.Random(1234)

@@ -20,6 +20,7 @@ the tokens match the header and the request, and that every array has exactly th
 from __future__ import annotations
 
 import hashlib
+import math
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -70,6 +71,22 @@ def encode(snapshot: Snapshot) -> bytes:
     return body + _digest(body)
 
 
+def _array_spec(spec: Any) -> tuple[str, np.dtype, tuple[int, ...]]:
+    """(name, dtype, shape) of a header's array entry. The checksum has no key, so the header may be forged:
+    only plain numeric dtypes and non-negative integer dimensions pass (BadBlob otherwise)."""
+    try:
+        name = str(spec["name"])
+        dtype = np.dtype(spec["dtype"])
+        shape = tuple(spec["shape"])
+    except (KeyError, TypeError, ValueError):
+        raise BadBlob("blob header has a malformed array entry") from None
+    if dtype.kind not in "biuf" or dtype.itemsize == 0 or dtype.fields is not None or dtype.subdtype is not None:
+        raise BadBlob(f"array {name} has an unsupported dtype {spec['dtype']!r}")
+    if not all(type(d) is int and d >= 0 for d in shape):
+        raise BadBlob(f"array {name} has a dimension that is not a non-negative integer")
+    return name, dtype, shape
+
+
 def decode(blob: bytes, *, architecture: str, dims: dict[str, Any], weights_version: int) -> Snapshot:
     if len(blob) < _PREFIX.size + _DIGEST_BYTES:
         raise BadBlob("blob is truncated (shorter than its fixed header)")
@@ -104,17 +121,14 @@ def decode(blob: bytes, *, architecture: str, dims: dict[str, Any], weights_vers
         raise BadBlob("blob is shorter than its token list")
     tokens = np.frombuffer(body[offset:end], dtype="<i4").tolist()
     offset = end
+    specs = header.get("arrays", [])
+    if not isinstance(specs, list):
+        raise BadBlob("blob header's arrays is not a list")
     arrays: list[tuple[str, np.ndarray]] = []
-    for spec in header.get("arrays", []):
-        try:
-            dtype = np.dtype(spec["dtype"])
-            shape = tuple(int(d) for d in spec["shape"])
-            name = str(spec["name"])
-        except (KeyError, TypeError, ValueError):
-            raise BadBlob("blob header has a malformed array entry") from None
-        if any(d < 0 for d in shape):
-            raise BadBlob(f"array {name} has a negative dimension")
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    for spec in specs:
+        name, dtype, shape = _array_spec(spec)
+        # Python integers: a forged shape cannot overflow into a small (or negative) byte count.
+        nbytes = math.prod(shape) * dtype.itemsize
         if offset + nbytes > len(body):
             raise BadBlob(f"blob is truncated inside array {name}")
         arrays.append((name, np.frombuffer(body[offset : offset + nbytes], dtype=dtype).reshape(shape)))
