@@ -28,3 +28,37 @@ def test_float_weights_are_quantized_and_logits_agree(tmp_path: Path, default_mo
     b = quant.model.forward(quant.model.new_state(1, 64), [BatchRow(0, tokens, 0, "all")])
     cos = (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
     assert cos.min() > 0.999
+
+
+def test_quantized_weights_have_their_own_weights_version(tmp_path: Path, default_model_path: Path) -> None:
+    """A session blob carries the weights version it was captured under: quantizing at load changes the
+    weights, so it changes the version (a blob from the float model gets 409 on the quantized one). A file
+    with nothing to quantize keeps its version."""
+    path = write_tiny_llama(tmp_path / "tiny.gguf")
+    env = read_env({"PANTHEON_HOME": str(tmp_path)})
+    plain = load_served_model(ModelOptions(path=path, name="plain"), env, CpuBackend())
+    quant = load_served_model(ModelOptions(path=path, name="q", quantize=True), env, CpuBackend())
+    assert plain.weights_version != quant.weights_version
+    again = load_served_model(ModelOptions(path=path, name="q2", quantize=True), env, CpuBackend())
+    assert again.weights_version == quant.weights_version
+    default_q = load_served_model(ModelOptions(path=default_model_path, name="dq", quantize=True), env, CpuBackend())
+    default = load_served_model(ModelOptions(path=default_model_path, name="d"), env, CpuBackend())
+    assert default_q.weights_version == default.weights_version
+
+
+def test_hybrid_models_are_quantized_too(tmp_path: Path) -> None:
+    """The hybrids compute with float activations (`without_int8`) on the int8-path backend; `quantize: true`
+    must still reach their loader: the fixture's float matrices become Q8_0, and the logits stay close."""
+    fixture = Path(__file__).parent / "fixtures" / "qwen35" / "qwen35.gguf"
+    env = read_env({"PANTHEON_HOME": str(tmp_path)})
+    backend = CpuBackend(int8=True)
+    plain = load_served_model(ModelOptions(path=fixture, name="plain"), env, backend)
+    quant = load_served_model(ModelOptions(path=fixture, name="q", quantize=True), env, backend)
+    assert plain.model.output.qtype == 0 and quant.model.output.qtype == 8
+    assert quant.weights_version != plain.weights_version
+    tokens = np.array([5, 17, 3, 99, 42, 7], np.int32)
+    a = plain.model.forward(plain.model.new_state(1, 64), [BatchRow(0, tokens, 0, "all")])
+    b = quant.model.forward(quant.model.new_state(1, 64), [BatchRow(0, tokens, 0, "all")])
+    assert not np.array_equal(a, b)
+    cos = (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
+    assert cos.min() > 0.99  # random weights: Q8_0's error shows more than in a trained model

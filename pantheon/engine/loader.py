@@ -118,11 +118,17 @@ class QuantizeAtLoad:
     Q8_0 = 8
     quantizes_at_load = True
 
-    def __init__(self, inner: Any) -> None:
+    def __init__(self, inner: Any, quantized: list[int] | None = None) -> None:
         self._inner = inner
+        self.quantized = quantized if quantized is not None else [0]  # matrices quantized so far (shared)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
+
+    def without_int8(self) -> "QuantizeAtLoad":
+        """The inner backend's float-activation view, still quantizing at load (a model that asks for it, the
+        hybrids, must not lose `quantize: true` on the way)."""
+        return QuantizeAtLoad(self._inner.without_int8(), self.quantized)
 
     def weight(self, gguf: GGUFFile, name: str) -> Any:
         info = gguf.tensors[name]
@@ -133,8 +139,16 @@ class QuantizeAtLoad:
         dense = quants.dequantize(gguf.tensor_bytes(name).reshape(info.rows, -1),
                                   GGMLQuantizationType(info.qtype)).reshape(info.rows, info.cols)
         packed = quants.quantize(dense.astype(np.float32), GGMLQuantizationType.Q8_0)
+        self.quantized[0] += 1
         return self._inner.weight_from_raw(np.ascontiguousarray(packed).view(np.uint8), self.Q8_0,
                                            info.rows, info.cols)
+
+
+def quantized_weights_version(file_version: int) -> int:
+    """The weights version of a file's weights after `QuantizeAtLoad` changed some of them: other weights than
+    the file's, so a session blob from one never restores into the other (409, as for another file)."""
+    digest = hashlib.sha256(f"q8_0-at-load|{file_version}".encode()).digest()
+    return int.from_bytes(digest[:7], "big")
 
 
 @dataclass
@@ -174,13 +188,15 @@ def load_served_model(options: ModelOptions, env: EnvKnobs, backend: Any, file: 
     `read_model_file` read already (elsewhere), which this then owns."""
     if file is None:
         file = read_model_file(options, env)
-    if options.quantize:
-        backend = QuantizeAtLoad(backend)
+    quantizing = QuantizeAtLoad(backend) if options.quantize else None
     try:
-        model = load_model(file.gguf, backend)
+        model = load_model(file.gguf, quantizing or backend)
     except Exception:
         file.gguf.close()
         raise
+    weights_version = file.weights_version
+    if quantizing is not None and quantizing.quantized[0]:
+        weights_version = quantized_weights_version(weights_version)
     _warm_up(model)
     ctx_cap = min(options.ctx_cap if options.ctx_cap > 0 else DEFAULT_CTX_CAP, model.context_length)
     return LoadedModel(
@@ -192,6 +208,6 @@ def load_served_model(options: ModelOptions, env: EnvKnobs, backend: Any, file: 
         tokenizer=file.tokenizer,
         template=file.template,
         ctx_cap=ctx_cap,
-        weights_version=file.weights_version,
+        weights_version=weights_version,
         created=int(time.time()),
     )
