@@ -86,6 +86,20 @@ def test_busy_conversation_runs_cold_beside_it() -> None:
     assert first.slot is not second.slot
 
 
+def test_a_turn_waits_for_an_export_of_its_conversation() -> None:
+    """An export reads the slot (busy, exporting): a turn that continues that conversation is not a second
+    conversation running beside it. It waits (None: the job stays queued) and then resumes from the cache."""
+    t, _ = table()
+    prompt = list(range(60))
+    run_turn(t, "s", prompt, [5])
+    slot = t.get("s").slots[0]
+    slot.busy = slot.exporting = True
+    assert t.assign("s", prompt + [5, 6]) is None
+    slot.busy = slot.exporting = False
+    a = t.assign("s", prompt + [5, 6])
+    assert a is not None and a.slot is slot and a.cached_tokens == 61 and not a.conflict
+
+
 def test_capacity_counts_ids() -> None:
     t, _ = table()
     run_turn(t, "a", [1, 2, 3], [])

@@ -30,6 +30,9 @@ class SlotInfo:
     tokens: list[int] = field(default_factory=list)  # tokens whose state the slot holds, in order
     session: str | None = None
     busy: bool = False
+    # Busy only because an export is reading the slot (no turn is running in it): a turn that continues this
+    # conversation waits for the read rather than starting cold beside it.
+    exporting: bool = False
     last_used: float = 0.0
     # Recurrent models only: snapshots of the slot's state at earlier positions (objects with .n_tokens),
     # since their state cannot be rewound to a shorter prefix.
@@ -159,6 +162,8 @@ class SessionTable:
             if n > best_len and n >= max(1, min(slot.anchor, len(slot.tokens))):
                 best, best_len = slot, n
         if best is not None:
+            if best.busy and best.exporting:
+                return None  # the export is done in a moment; the scheduler is poked then
             if not best.busy:
                 # Keep at least one prompt token to compute: its logits give the first new token.
                 usable = min(best_len, len(prompt) - 1)

@@ -162,7 +162,7 @@ class Scheduler:
         self.max_concurrent = max(1, min(concurrency, self.max_concurrent_configured)) if self.batched else 1
         self.ctx_window = max(1, min(window, self.ctx_window_configured))
         self.memory_critical = critical
-        self._poke()
+        self.poke()
 
     def retry_after_s(self) -> int:
         """Seconds until a slot is likely free, from the work ahead and the measured decode step time."""
@@ -214,12 +214,13 @@ class Scheduler:
             raise ApiError(503, "server_memory_constrained",
                            "host memory is critically low: new sessions are refused", headers={"Retry-After": "30"})
         send, receive = trio.open_memory_channel[Event](math.inf)
-        job.on_cancel = self._poke
+        job.on_cancel = self.poke
         self._waiting.append(Waiting(job, send, time.monotonic()))
-        self._poke()
+        self.poke()
         return receive
 
-    def _poke(self) -> None:
+    def poke(self) -> None:
+        """Wake the loop: something a waiting job may need (a job, a slot, a cancellation) changed."""
         self._wakeup.set()
 
     # -- the loop ------------------------------------------------------------------------------------------
@@ -593,7 +594,7 @@ class Scheduler:
             self._active.remove(active)
             self.sessions.finish(active.slot, keep=keep_state)
         active.events.close()
-        self._poke()
+        self.poke()
 
     @staticmethod
     def _send(channel: trio.MemorySendChannel[Event], event: Event) -> bool:

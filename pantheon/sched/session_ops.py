@@ -1,7 +1,8 @@
 """Session export, restore and release on one model instance: the slot state <-> blob round trip.
 
 Runs on the event loop; the copying and (de)serialization run in a worker thread. A slot being read or
-written is marked busy, so the scheduler never admits a turn into it meanwhile.
+written is marked busy, so the scheduler never admits a turn into it meanwhile (a turn that continues an
+exporting conversation waits for the export, which is quick, instead of running cold beside it).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ async def export_session(scheduler: Scheduler, session_id: str) -> ExportedSessi
     slot = max((s for s in session.slots if s.tokens), key=lambda s: s.last_used)
     tokens = list(slot.tokens)
     served = scheduler.served
-    slot.busy = True
+    slot.busy = slot.exporting = True
     try:
         def serialize() -> bytes:
             arrays = served.model.read_slot(scheduler.state, slot.index, len(tokens))
@@ -49,7 +50,8 @@ async def export_session(scheduler: Scheduler, session_id: str) -> ExportedSessi
     except MemoryError:
         raise ApiError(500, "server_error", "out of memory while serializing the session") from None
     finally:
-        slot.busy = False
+        slot.busy = slot.exporting = False
+        scheduler.poke()  # a turn may be waiting for this slot
     return ExportedSession(session_id, served.weights_version, tokens, blob)
 
 
