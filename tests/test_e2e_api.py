@@ -230,6 +230,18 @@ def test_options_preflight_on_any_path(smollm_server: ServerProcess, path: str) 
     assert_common_headers(r)
 
 
+@pytest.mark.parametrize("path", ["/", "/v1/models", "/admin/models"])
+def test_head_on_a_get_route_is_its_headers_without_the_body(smollm_server: ServerProcess, path: str) -> None:
+    """HEAD answers as GET does, without the body (health checkers use it; llama-server and vLLM answer it)."""
+    get = httpx.get(smollm_server.base_url + path, timeout=30)
+    head = httpx.head(smollm_server.base_url + path, timeout=30)
+    assert head.status_code == 200 and head.content == b""
+    assert_common_headers(head)
+    assert head.headers["content-type"] == get.headers["content-type"]
+    assert int(head.headers["content-length"]) > 0
+    assert httpx.head(smollm_server.base_url + "/v1/chat/completions", timeout=30).status_code == 404
+
+
 # -- 400 invalid_request_error -----------------------------------------------------------------------------
 
 MSGS = [{"role": "user", "content": "hi"}]

@@ -253,3 +253,45 @@ async def test_write_now_keeps_what_the_socket_did_not_take_for_flush() -> None:
                             lambda r: r.endswith(b"\r\n0\r\n\r\n"), wait_s=0.3)
     assert states == [False, True]
     assert _unchunked(raw.split(b"\r\n\r\n", 1)[1]) == b"".join(chunks)
+
+
+async def test_a_pipelined_request_that_closes_the_connection_does_not_cut_the_answer_before_it() -> None:
+    """Two requests in one write to a server that answers with `Connection: close`: the second one makes
+    hypercorn close the connection, which used to race the first answer's last write (its EOF sent without
+    the send lock): the answer was cut off, or its write failed with BusyResourceError. Now every connection
+    gets the first answer whole, and the app's sends never fail."""
+    assert fastsend.install()
+    failures: list[BaseException] = []
+    payload = b'{"status":"ok"}'
+
+    async def handler(send: Any) -> None:
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": [
+                (b"content-type", b"application/json"), (b"content-length", b"%d" % len(payload)),
+                (b"connection", b"close")]})
+            await send({"type": "http.response.body", "body": payload, "more_body": False})
+        except BaseException as exc:
+            failures.append(exc)
+            raise
+
+    config = Config()
+    config.bind = ["127.0.0.1:0"]
+    config.accesslog = None
+    shutdown = trio.Event()
+    answers = []
+    async with trio.open_nursery() as nursery:
+        binds = await nursery.start(partial(serve, _lifespan_or(handler), config, shutdown_trigger=shutdown.wait))
+        port = int(binds[0].rsplit(":", 1)[1])
+        for _ in range(30):
+            client = await trio.open_tcp_stream("127.0.0.1", port)
+            await client.send_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\nGET /b HTTP/1.1\r\nHost: x\r\n\r\n")
+            raw = b""
+            with trio.fail_after(30):
+                while data := await client.receive_some(1 << 16):
+                    raw += data
+            await client.aclose()
+            answers.append(raw)
+        shutdown.set()
+    assert not failures, failures
+    for raw in answers:
+        assert raw.count(b"HTTP/1.1 200") == 1 and raw.endswith(b"\r\n\r\n" + payload), raw

@@ -61,6 +61,22 @@ class ServerState:
 _METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 
 
+# GET routes a HEAD request may not run (their answer never ends).
+_NO_HEAD = frozenset({"/session/watch"})
+
+
+def _without_body(send: Send) -> Send:
+    """The response of a GET route for a HEAD request: the same status and headers (content-length included),
+    no body bytes (h11 refuses to send any for HEAD)."""
+
+    async def head_send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.body":
+            message = {**message, "body": b""}
+        await send(message)
+
+    return head_send
+
+
 class App:
     def __init__(self, state: ServerState) -> None:
         self.state = state
@@ -101,6 +117,10 @@ class App:
         counting_send.__wrapped__ = send  # type: ignore[attr-defined]  # fastsend.body_writer looks through it
 
         handler = self.routes.get((method, path))
+        if handler is None and method == "HEAD" and path not in _NO_HEAD:
+            handler = self.routes.get(("GET", path))
+            if handler is not None:
+                counting_send = _without_body(counting_send)
         try:
             if method == "OPTIONS":
                 await self.preflight(scope, receive, counting_send)

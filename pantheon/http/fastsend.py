@@ -20,6 +20,10 @@ way, skipping hypercorn's ASGI send, its protocol layer and h11's event processi
 state for a body chunk). Measured inside a 1-stream decode on the 2-core VM: 46 us from the app's send to the
 write(2), of a ~335 us relay per token. Any state it does not expect (the response not yet in its body, the
 stream closed, another write holding the lock) sends through hypercorn as before.
+
+`install()` also makes a connection's close wait for another task's write in flight: hypercorn sends the EOF
+without the send lock, so a pipelined request (which makes h11 close a `Connection: close` connection) could
+cut off the answer to the request before it.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import h11
 import trio
 
 _installed: dict[str, Any] = {}
+_CLOSE_WAIT_S = 5.0  # how long a connection's close waits for another task's write in flight
 
 
 def _write_some(server: Any, data: bytes) -> int:
@@ -137,19 +142,39 @@ def install() -> bool:
     if "original" in _installed:
         return True
     try:
-        from hypercorn.events import RawData
+        from hypercorn.events import Closed, RawData
         from hypercorn.trio.tcp_server import TCPServer
     except ImportError:
         return False
     original = getattr(TCPServer, "protocol_send", None)
-    if original is None:
+    original_close = getattr(TCPServer, "_close", None)
+    if original is None or original_close is None:
         return False
 
     async def protocol_send(self: Any, event: Any) -> None:
         rest = _short_road(self, event, RawData)
-        if rest is not None:
+        if rest is None:
+            return
+        try:
             await original(self, rest)
+        except trio.BusyResourceError:
+            # The connection's close (its EOF, sent by another task) won the race: the peer is gone for this
+            # response, as when hypercorn meets a broken or closed stream.
+            await self.protocol.handle(Closed())
+
+    async def close(self: Any) -> None:
+        # hypercorn sends the EOF without the send lock: when a pipelined request closes the connection while
+        # the answer to the one before is still being written, the EOF cut it off (or the write failed, a 500
+        # in the log). An in-flight write by another task finishes first (bounded: a peer that stopped reading
+        # does not hold the close forever); the EOF then follows it with no checkpoint in between.
+        lock = getattr(self, "send_lock", None)
+        if lock is not None and lock.locked() and lock.statistics().owner is not trio.lowlevel.current_task():
+            with trio.CancelScope(shield=True), trio.move_on_after(_CLOSE_WAIT_S):
+                async with lock:
+                    pass
+        await original_close(self)
 
     _installed["original"] = original
     TCPServer.protocol_send = protocol_send  # type: ignore[method-assign]
+    TCPServer._close = close  # type: ignore[method-assign]
     return True
