@@ -141,6 +141,11 @@ def no_models(server: ServerProcess) -> None:
     assert v1_models(server) == {}
     for body in (HELLO, {**HELLO, "model": "anything"}):
         assert_error(chat(server, body), 503, "no_models_loaded")
+    # The session routes list 404 model_not_found as their model error: no model means none is found.
+    for path, body in (("/session/release", {"session_id": "a"}), ("/admin/session/export", {"session_id": "a"}),
+                       ("/session/restore", {"session_id": "a", "blob": "", "tokens": [1]})):
+        assert_error(httpx.post(server.base_url + path, json=body, timeout=30), 404, "model_not_found")
+    assert_error(httpx.get(server.base_url + "/session/watch?session_id=a", timeout=30), 404, "model_not_found")
 
 
 def empty_server(tmp_path: Path, env: dict[str, str] | None = None) -> ServerProcess:
