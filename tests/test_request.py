@@ -71,6 +71,19 @@ def test_message_content_forms() -> None:
 
 def test_stream_options_include_usage() -> None:
     assert parse(stream=True, stream_options={"include_usage": True}).include_usage
+    assert not parse(stream=True, stream_options={}).include_usage
+    assert not parse(stream=True, stream_options=None).include_usage
+
+
+def test_integral_numbers_pass_as_integers_and_an_empty_role_is_the_users() -> None:
+    assert parse(max_tokens=3.0, n=2.0).max_tokens == 3
+    assert parse_chat_request({"messages": [{"role": "", "content": "hi"}]}).messages[0].role == "user"
+
+
+def test_min_p_is_read_and_clamped() -> None:
+    assert parse().min_p == 0.0
+    assert parse(min_p=0.05).min_p == 0.05
+    assert (parse(min_p=-1).min_p, parse(min_p=7).min_p) == (0.0, 1.0)
 
 
 def test_reasoning_budget_alias() -> None:
@@ -82,6 +95,14 @@ def test_reasoning_budget_alias() -> None:
     [], "x", {}, {"messages": []}, {"messages": "hi"}, {"messages": [1]},
     {"messages": MSG, "temperature": "hot"}, {"messages": MSG, "max_tokens": "many"},
     {"messages": MSG, "stop": 5}, {"messages": MSG, "stream": "yes"}, {"messages": MSG, "model": 3},
+    # Wrong types are refused the same way everywhere, not read as something else.
+    {"messages": MSG, "tools": [1]}, {"messages": MSG, "tools": ["x"]}, {"messages": MSG, "tools": [None]},
+    {"messages": [{"role": 0, "content": "hi"}]}, {"messages": [{"role": False, "content": "hi"}]},
+    {"messages": [{"role": [], "content": "hi"}]}, {"messages": [{"role": {}, "content": "hi"}]},
+    {"messages": MSG, "stream_options": "x"}, {"messages": MSG, "stream_options": {"include_usage": "yes"}},
+    {"messages": MSG, "max_tokens": 2.5}, {"messages": MSG, "n": 1.5}, {"messages": MSG, "top_k": 1.5},
+    {"messages": MSG, "seed": 1.5}, {"messages": MSG, "session_id": 5}, {"messages": MSG, "prompt_cache_key": ["a"]},
+    {"messages": MSG, "min_p": "x"},
 ])
 def test_invalid_bodies_are_400(body: object) -> None:
     with pytest.raises(ApiError) as info:

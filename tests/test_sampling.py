@@ -79,6 +79,31 @@ def test_top_p_keeps_the_nucleus() -> None:
     assert {s.sample(x).token_id for _ in range(100)} == {7}
 
 
+def test_top_p_zero_is_greedy() -> None:
+    """A nucleus of nothing keeps the best token alone (llama.cpp keeps at least one): argmax at any
+    temperature, not an unrestricted draw."""
+    x = logits(6)
+    for seed in range(5):
+        s = Sampler(SamplingParams(temperature=1.5, top_k=0, top_p=0.0, seed=seed), V)
+        assert s.sample(x).token_id == int(np.argmax(x))
+
+
+def test_min_p_drops_tokens_below_a_share_of_the_best() -> None:
+    """min_p keeps the tokens at least min_p as likely as the best (before temperature) and draws among them
+    as the other truncations do; 1 leaves only the best; the logprobs still report the whole distribution."""
+    x = np.full(V, -10.0, np.float32)
+    x[3], x[4], x[5] = 5.0, 5.0 + np.log(0.5), 5.0 + np.log(0.05)  # 1 : 0.5 : 0.05 of the best's probability
+    s = Sampler(SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.1, seed=0), V)
+    assert {s.sample(x).token_id for _ in range(300)} == {3, 4}
+    s = Sampler(SamplingParams(temperature=1.0, top_k=40, top_p=1.0, min_p=0.1, seed=0), V)
+    assert {s.sample(x).token_id for _ in range(300)} == {3, 4}
+    s = Sampler(SamplingParams(temperature=1.0, top_k=40, top_p=1.0, min_p=0.01, seed=0), V)
+    assert {s.sample(x).token_id for _ in range(3000)} == {3, 4, 5}
+    s = Sampler(SamplingParams(temperature=3.0, min_p=1.0, seed=0, top_logprobs=2), V)
+    picked = s.sample(x)
+    assert picked.token_id == 3 and picked.top_logprobs[1][0] == 4
+
+
 def test_logit_bias_forces_and_forbids() -> None:
     x = logits(2)
     target = int(np.argmin(x))

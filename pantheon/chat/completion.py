@@ -69,6 +69,7 @@ def _sampling(request: ChatRequest, choice: int) -> SamplingParams:
         temperature=request.temperature,
         top_p=request.top_p,
         top_k=request.top_k,
+        min_p=request.min_p,
         seed=None if request.seed is None else request.seed + choice,
         presence_penalty=request.presence_penalty,
         frequency_penalty=request.frequency_penalty,

@@ -31,6 +31,7 @@ class ChatRequest:
     temperature: float = 0.7
     top_p: float = 0.95
     top_k: int = 40
+    min_p: float = 0.0
     max_tokens: int = DEFAULT_MAX_TOKENS
     stop: list[str] = field(default_factory=list)
     stream: bool = False
@@ -64,7 +65,8 @@ def _integer(body: Mapping[str, Any], key: str, default: int | None) -> int | No
     value = body.get(key)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+            or value != int(value)):
         raise invalid_request(f"'{key}' must be an integer")
     return int(value)
 
@@ -91,8 +93,10 @@ def _content_text(content: Any) -> str:
 def _parse_message(index: int, raw: Any) -> Message:
     if not isinstance(raw, dict):
         raise invalid_request(f"messages[{index}] must be an object")
-    role = raw.get("role") or "user"
-    if not isinstance(role, str):
+    role = raw.get("role")
+    if role is None or role == "":
+        role = "user"  # a missing role is the user's, as the spec says
+    elif not isinstance(role, str):
         raise invalid_request(f"messages[{index}].role must be a string")
     reasoning = raw.get("reasoning_content")
     if reasoning is None:
@@ -140,7 +144,9 @@ def _parse_logit_bias(value: Any) -> dict[int, float]:
 def _session_key(body: Mapping[str, Any], header_session: str | None) -> str | None:
     for key in ("session_id", "prompt_cache_key", "promptCacheKey"):
         value = body.get(key)
-        if isinstance(value, str) and value:
+        if value is not None and not isinstance(value, str):
+            raise invalid_request(f"'{key}' must be a string")
+        if value:
             return value
     return header_session or None
 
@@ -175,9 +181,9 @@ def parse_chat_request(body: Any, *, header_session: str | None = None) -> ChatR
     n = min(n, N_CAP)
 
     stream_options = body.get("stream_options")
-    include_usage = False
-    if isinstance(stream_options, dict):
-        include_usage = bool(stream_options.get("include_usage"))
+    if stream_options is not None and not isinstance(stream_options, dict):
+        raise invalid_request("'stream_options' must be an object")
+    include_usage = bool(_boolean(stream_options or {}, "include_usage", False))
 
     logprobs = bool(_boolean(body, "logprobs", False))
     top_logprobs = _integer(body, "top_logprobs", 0) or 0
@@ -196,6 +202,9 @@ def parse_chat_request(body: Any, *, header_session: str | None = None) -> ChatR
     tools = body.get("tools")
     if tools is not None and not isinstance(tools, list):
         raise invalid_request("'tools' must be an array")
+    for i, tool in enumerate(tools or []):
+        if not isinstance(tool, dict):
+            raise invalid_request(f"tools[{i}] must be an object")
 
     tool_choice = body.get("tool_choice", "auto")
     if tool_choice is None:
@@ -207,6 +216,7 @@ def parse_chat_request(body: Any, *, header_session: str | None = None) -> ChatR
         temperature=_number(body, "temperature", 0.7),
         top_p=_number(body, "top_p", 0.95),
         top_k=_integer(body, "top_k", 40) or 0,
+        min_p=min(1.0, max(0.0, _number(body, "min_p", 0.0))),
         max_tokens=max_tokens,
         stop=_parse_stop(body.get("stop")),
         stream=bool(_boolean(body, "stream", False)),
@@ -222,7 +232,7 @@ def parse_chat_request(body: Any, *, header_session: str | None = None) -> ChatR
         response_format=response_format,
         enable_thinking=_boolean(body, "enable_thinking", None),
         reasoning_budget=reasoning_budget,
-        tools=[t for t in tools if isinstance(t, dict)] if tools else None,
+        tools=tools or None,
         tool_choice=tool_choice,
         session_id=_session_key(body, header_session),
     )

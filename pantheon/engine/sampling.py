@@ -19,6 +19,9 @@ class SamplingParams:
     temperature: float = 0.7
     top_p: float = 0.95
     top_k: int = 40
+    # Tokens less likely than min_p times the most likely one are never drawn (llama.cpp's and vLLM's min_p;
+    # on the scores before temperature, as llama.cpp's sampler chain applies it). 0 = off.
+    min_p: float = 0.0
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -27,7 +30,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0.0
+        """Argmax: temperature <= 0, or a nucleus of nothing (top_p <= 0 keeps only the best token, as in
+        llama.cpp), or min_p 1 (only tokens as likely as the best)."""
+        return self.temperature <= 0.0 or self.top_p <= 0.0 or self.min_p >= 1.0
 
 
 # Scores per block of the first passes of `_argmax` and `top_k`: 4 vectors of 16 float32, so that LLVM's loop
@@ -239,7 +244,7 @@ class Sampler:
         # Whether `sample_rows` may take this sampler's rows in its batched call: no penalties, no logprobs,
         # greedy or top-k (the other cases need the whole distribution); and its columns of that call's table.
         self.plain = (params.top_logprobs is None and not params.presence_penalty and not params.frequency_penalty
-                      and (params.greedy or 0 < params.top_k < vocab_size))
+                      and (params.greedy or (0 < params.top_k < vocab_size and not params.min_p)))
         self._spec = (1.0 if params.greedy else 0.0, float(params.top_k), float(params.temperature),
                       float(params.top_p))
 
@@ -285,6 +290,11 @@ class Sampler:
 
     def _sample_stochastic(self, scores: np.ndarray) -> int:
         p = self.params
+        if p.min_p > 0.0:
+            # Off the draw only: the logprobs report the distribution before it. max + log(min_p) is -inf only
+            # when every score is (then nothing is allowed either way).
+            threshold = np.float32(np.max(scores) + np.log(p.min_p))
+            scores = np.where(scores >= threshold, scores, np.float32(-np.inf))
         if 0 < p.top_k < scores.size:
             # The k best, best first; softmax over them alone, then top-p over that; one compiled call.
             token = int(_sample_top_k(scores, int(p.top_k), float(p.temperature), float(p.top_p), self._rng.random()))
