@@ -468,6 +468,21 @@ def test_logprobs_stop_before_the_stop_string(smollm_server: ServerProcess, base
     assert streamed == expected
 
 
+def test_a_trailing_assistant_message_is_continued(smollm_server: ServerProcess) -> None:
+    """As llama-server does: the last message, when it is the assistant's, is the start of the reply. The model
+    continues it (greedy SmolLM2 counts on) and the reply holds only what follows it, streamed or not."""
+    ask = {"role": "user", "content": "Count from 1 to 10, comma separated."}
+    plain = chat(smollm_server, messages=[ask], temperature=0, max_tokens=8)
+    body = {"messages": [ask, {"role": "assistant", "content": "1, 2, 3,"}], "temperature": 0, "max_tokens": 8}
+    continued = chat(smollm_server, **body)
+    assert content_of(continued).lstrip().startswith("4"), content_of(continued)
+    extra = continued["usage"]["prompt_tokens"] - plain["usage"]["prompt_tokens"]
+    assert 1 <= extra <= 8  # the prefill's tokens, and no end-of-turn and new turn after them
+    streamed = "".join(choice["delta"].get("content") or "" for chunk in choice_chunks(
+        stream_events(smollm_server, {**body, "stream": True})) for choice in chunk["choices"])
+    assert streamed == content_of(continued)
+
+
 def test_stop_array_first_match_wins(smollm_server: ServerProcess, baseline: dict) -> None:
     text = content_of(baseline)
     words = text.split(" ")

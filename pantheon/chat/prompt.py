@@ -82,6 +82,12 @@ def build_prompt(served: LoadedModel, request: ChatRequest, *, no_think_default:
     alone shows that it has `window` tokens or more."""
     template = served.template
     messages = _template_messages(request.messages, dialect, tools)
+    prefill = ""
+    last = request.messages[-1]
+    if last.role == "assistant" and not last.tool_calls and len(messages) > 1:
+        # A trailing assistant message is the start of the reply, continued (llama-server's default): the
+        # conversation before it gets the generation prompt, then its text; the reply returned is what follows.
+        prefill = messages.pop()["content"]
     extra: dict[str, Any] = {}
     thinking = False
     if template.is_think_style:
@@ -90,6 +96,7 @@ def build_prompt(served: LoadedModel, request: ChatRequest, *, no_think_default:
     text = template.render(messages, add_generation_prompt=True, extra=extra)
     if template.is_think_style and not thinking and not text.rstrip().endswith("</think>"):
         text += CLOSED_THINK  # templates that ignore enable_thinking still get a closed block
+    text += prefill
     tokenizer = served.tokenizer
     if window is not None and (at_least := tokenizer.min_tokens(text)) >= window:
         raise PromptOverWindow(at_least)
