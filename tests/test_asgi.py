@@ -8,7 +8,7 @@ import pytest
 import trio
 
 from pantheon.errors import ApiError
-from pantheon.http.asgi import BODY_STALL_S, read_body
+from pantheon.http.asgi import BODY_STALL_S, MAX_BODY_BYTES, parse_json_body, read_body
 
 
 async def test_a_body_sent_in_pieces_is_joined() -> None:
@@ -39,3 +39,26 @@ async def test_a_stalled_upload_is_given_up_with_408(autojump_clock: trio.abc.Cl
         await read_body(receive)
     assert caught.value.status == 408
     assert trio.current_time() - started == pytest.approx(BODY_STALL_S)
+
+
+async def test_a_body_over_the_limit_is_413() -> None:
+    chunk = b"x" * (1 << 20)
+    sent = 0
+
+    async def receive() -> dict[str, Any]:
+        nonlocal sent
+        sent += len(chunk)
+        return {"type": "http.request", "body": chunk, "more_body": True}
+
+    with pytest.raises(ApiError) as caught:
+        await read_body(receive)
+    assert caught.value.status == 413 and caught.value.error_type == "invalid_request_error"
+    assert MAX_BODY_BYTES < sent <= MAX_BODY_BYTES + len(chunk)
+
+
+def test_a_leading_byte_order_mark_is_skipped() -> None:
+    assert parse_json_body(b'\xef\xbb\xbf{"a": 1}') == {"a": 1}
+    with pytest.raises(ApiError):
+        parse_json_body(b"\xef\xbb\xbf")
+    with pytest.raises(ApiError):
+        parse_json_body(b'{"a": 1}\xef\xbb\xbf')

@@ -50,13 +50,15 @@ async def read_body(receive: Receive) -> bytes:
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > MAX_BODY_BYTES:
-            raise ApiError(400, "invalid_request_error", f"request body exceeds {MAX_BODY_BYTES} bytes")
+            raise ApiError(413, "invalid_request_error", f"request body exceeds {MAX_BODY_BYTES} bytes")
         chunks.append(chunk)
         if not message.get("more_body", False):
             return b"".join(chunks)
 
 
 def parse_json_body(raw: bytes) -> Any:
+    if raw.startswith(b"\xef\xbb\xbf"):
+        raw = raw[3:]  # a UTF-8 byte order mark some editors and Windows tools write (llama-server skips it too)
     if not raw.strip():
         raise ApiError(400, "invalid_request_error", "request body is empty")
     try:
