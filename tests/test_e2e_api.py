@@ -242,6 +242,30 @@ def test_head_on_a_get_route_is_its_headers_without_the_body(smollm_server: Serv
     assert httpx.head(smollm_server.base_url + "/v1/chat/completions", timeout=30).status_code == 404
 
 
+@pytest.mark.parametrize("raw,status", [
+    (b"BLAH\r\n\r\n", 400),
+    (b"GET / HTTP/1.1\r\n\r\n", 400),  # no Host
+    (b"POST /session/release HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n{}", 400),
+    (b"GET / HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 200_000 + b"\r\n\r\n", 431),
+], ids=["garbled", "no-host", "bad-content-length", "huge-header"])
+def test_requests_refused_by_the_http_layer_get_the_spec_error_format(smollm_server: ServerProcess, raw: bytes,
+                                                                       status: int) -> None:
+    """Requests h11 cannot parse never reach the app: they are still answered with the headers every response
+    carries and the spec's error body."""
+    with socket.create_connection(("127.0.0.1", smollm_server.port), timeout=30) as sock:
+        sock.sendall(raw)
+        answer = b""
+        while data := sock.recv(65536):
+            answer += data
+    head, _, body = answer.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    assert lines[0].startswith(f"HTTP/1.1 {status}"), lines[0]
+    headers = {k.lower(): v.strip() for k, v in (line.split(":", 1) for line in lines[1:])}
+    assert headers["access-control-allow-origin"] == "*" and headers["connection"].lower() == "close"
+    assert orjson.loads(body)["error"]["type"] == "invalid_request_error"
+    assert httpx.get(smollm_server.base_url + "/", timeout=30).status_code == 200
+
+
 # -- 400 invalid_request_error -----------------------------------------------------------------------------
 
 MSGS = [{"role": "user", "content": "hi"}]
