@@ -343,6 +343,10 @@ def test_sigterm_drains_in_flight_streams_and_exits_0(default_model_path: Path, 
                     r.read()
                 assert_error(r, 503, "server_shutting_down")
                 assert r.headers.get("retry-after") == "1", dict(r.headers)
+            # Nor are models loaded while draining: one would be unloaded again at once.
+            r = httpx.post(server.base_url + "/admin/models/load", json={"path": str(default_model_path),
+                                                                         "name": "late"}, timeout=30)
+            assert_error(r, 503, "server_shutting_down")
             ra, rb = a.wait(300), b.wait(300)
         for res in (ra, rb):
             assert res.exception is None and res.done, res

@@ -91,7 +91,7 @@ class App:
             ("GET", "/session/watch"): partial(session_routes.watch, state.registry,
                                                state.env.session_watch_grace_ms / 1000.0),
             ("GET", "/admin/models"): partial(admin_routes.models, state.registry),
-            ("POST", "/admin/models/load"): partial(admin_routes.load, state.manager),
+            ("POST", "/admin/models/load"): self.load_model,
             ("POST", "/admin/models/unload"): partial(admin_routes.unload, state.manager),
             ("GET", "/admin/dies"): partial(admin_routes.dies, state.manager),
             ("GET", "/metrics"): self.metrics,
@@ -213,6 +213,11 @@ class App:
                 seen.add(instance.name)
                 data.append(self.model_entry(instance))
         await send_json(send, 200, {"object": "list", "backend": s.backend, "build": s.build, "data": data})
+
+    async def load_model(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+        if self.state.draining:  # a model loaded now would be unloaded again at once, after seconds of work
+            raise ApiError(503, "server_shutting_down", "server is shutting down", headers={"Retry-After": "1"})
+        await admin_routes.load(self.state.manager, scope, receive, send)
 
     async def chat_completions(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         raw = await read_body(receive)
