@@ -299,7 +299,7 @@ def test_session_capacity_and_release(default_model_path: Path, tmp_path: Path) 
             assert r.json() == {"released": True, "session_id": sid}
         assert chat(s, {**probe, "session_id": "B"})["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         # Release through the header, then a third id fits.
-        r = release(s, {}, headers={"X-Session-Id": "B"})
+        r = release(s, {"session_id": ""}, headers={"X-Session-Id": "B"})  # an empty body id is an absent one
         assert r.status_code == 200 and r.json()["session_id"] == "B", r.text
         chat(s, {**probe, "session_id": "C"})
         # The released A starts cold again.
@@ -558,7 +558,7 @@ def test_estimate_arithmetic(server: ServerProcess) -> None:
     assert r.json()["model"] == ""
     for query in ("", "tokens=0", "tokens=-3", "name=" + MODEL, "tokens=abc", "tokens=99999999999999999999999",
                   "tokens=100&blob_bytes=1e300", "tokens=100&blob_bytes=inf", "tokens=100&upload_bps=nan",
-                  "tokens=100&upload_bps=inf"):
+                  "tokens=100&upload_bps=inf", "tokens=1_000", "tokens=%2B7", "tokens=%2010", "tokens=1.5"):
         assert_error(estimate(server, query), 400, "invalid_request_error")
 
 

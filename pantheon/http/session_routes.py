@@ -39,7 +39,7 @@ async def _json_object(receive: Receive) -> dict[str, Any]:
 
 def _session_id(body: dict[str, Any], scope: dict[str, Any] | None) -> str:
     session_id = body.get("session_id")
-    if session_id is None and scope is not None:
+    if (session_id is None or session_id == "") and scope is not None:  # an empty id is an absent one, as in chat
         session_id = headers_of(scope).get("x-session-id")
     if not isinstance(session_id, str) or not session_id:
         raise invalid_request("'session_id' is required")
@@ -114,10 +114,11 @@ async def estimate(registry: Registry, scope: dict[str, Any], receive: Receive, 
     query = _query(scope)
     if "tokens" not in query:
         raise invalid_request("'tokens' is required")
-    try:
-        tokens = int(query["tokens"])
-    except ValueError:
-        raise invalid_request("'tokens' must be a positive integer") from None
+    raw_tokens = query["tokens"]
+    # Digits only: Python's int() would also take "1_000", "+7" and surrounding blanks.
+    if not (raw_tokens.isascii() and raw_tokens.isdigit()):
+        raise invalid_request("'tokens' must be a positive integer")
+    tokens = int(raw_tokens)
     if not 0 < tokens <= _MAX_QUERY_NUMBER:  # the reply's JSON integers must fit in 64 bits
         raise invalid_request(f"'tokens' must be a positive integer up to {_MAX_QUERY_NUMBER:.0e}")
     blob_bytes = _positive_number(query, "blob_bytes")
