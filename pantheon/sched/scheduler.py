@@ -187,7 +187,8 @@ class Scheduler:
         """422 context_over_budget for a prompt of n_tokens (or at least that many) tokens."""
         size = f"at least {n_tokens}" if at_least else f"{n_tokens}"
         return ApiError(422, "context_over_budget",
-                        f"prompt is {size} tokens but the context window is {self.kv_cap} tokens "
+                        f"prompt is {size} tokens but the context window is {self.kv_cap} tokens, which "
+                        f"must also hold at least one completion token "
                         f"(kv_used={n_tokens}, kv_cap={self.kv_cap}); this model's maximum context "
                         f"length is {self.kv_cap} tokens",
                         extra={"kv_used": n_tokens, "kv_cap": self.kv_cap})
