@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from pantheon.config import read_env
-from pantheon.engine.constraints import Controllers, GrammarController, ReasoningBudget
+from pantheon.engine.constraints import Controllers, GrammarController, ReasoningBudget, grammar_tokenizer
 from pantheon.io.gguf_file import open_gguf
 from pantheon.io.tokenizer import Tokenizer
 
@@ -59,7 +59,7 @@ def tokenizer(default_model_path: Path) -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def lltok(tokenizer: Tokenizer) -> llguidance.LLTokenizer:
-    return llguidance.LLTokenizer(tokenizer.hf_tokenizer_json(), eos_token=tokenizer.eos_id)
+    return grammar_tokenizer(tokenizer)
 
 
 GRAMMAR = 'start: "<call>" /[a-z]+/ "</call>"'
@@ -81,6 +81,15 @@ def test_mask_follows_the_grammar_and_refuses_eos_before_the_end(lltok, tokenize
     for t in tokenizer.encode("</call>"):
         c.advance(t)
     assert c.completed and c.is_finished()
+
+
+def test_a_matcher_broken_by_a_refused_token_is_not_completed(lltok, tokenizer) -> None:
+    """A token the grammar refuses (a forced one: masks do not apply to forced tokens) leaves the matcher in
+    error, which also stops it: that output did not satisfy the grammar (response_format_status
+    "not_enforced", not "applied")."""
+    c = controller(lltok, tokenizer)
+    c.advance(tokenizer.encode("x")[0])
+    assert c.matcher.is_error() and not c.completed
 
 
 def test_eos_inside_a_closable_call_appends_the_closer(lltok, tokenizer) -> None:

@@ -19,6 +19,7 @@ import pytest
 from pantheon.chat.tools import DIALECTS, CallEnd, CallError, parse_tools
 from pantheon.chat.tools.grammar import json_object_grammar, tool_call_grammar
 from pantheon.config import read_env
+from pantheon.engine.constraints import grammar_tokenizer
 from pantheon.errors import ApiError
 from pantheon.io.gguf_file import open_gguf
 from pantheon.io.tokenizer import Tokenizer
@@ -70,7 +71,7 @@ JSON = DIALECTS["json"]
 class Vocab:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
-        self.ll = llguidance.LLTokenizer(tokenizer.hf_tokenizer_json(), eos_token=tokenizer.eos_id)
+        self.ll = grammar_tokenizer(tokenizer)
 
     def matcher(self, grammar: str) -> llguidance.LLMatcher:
         m = llguidance.LLMatcher(self.ll, grammar, log_level=0)
@@ -343,3 +344,33 @@ def test_mask_computation_cost(vocab: Vocab, capsys: pytest.CaptureFixture[str])
                     f"max {times[-1]:.3f} ms")
     with capsys.disabled():
         print("\nmask cost (10 opencode-like tools, 49k vocab):\n  " + "\n  ".join(rows))
+
+
+@pytest.fixture(scope="module")
+def qwen_vocab() -> Vocab:
+    """The Qwen3.5 fixture's vocabulary: "<think>", "</think>", "<tool_call>" and "</tool_call>" are single
+    user-defined tokens (not control tokens), as in Qwen's GGUFs."""
+    path = Path(__file__).parent / "fixtures" / "qwen35" / "qwen35.gguf"
+    return Vocab(Tokenizer.from_gguf_metadata(open_gguf(path, read_env().cache_dir).metadata))
+
+
+def test_qwen_marker_tokens_match_the_grammars_text_markers(qwen_vocab: Vocab) -> None:
+    """llguidance takes added tokens that look like "<...>" as special unless told otherwise; the grammars write
+    the markers as text, so the vocabulary handed to it marks only control tokens special. Then the model's
+    own marker tokens are what a "required" call and the end of a think block accept."""
+    tok = qwen_vocab.tokenizer
+    call_open, think_end = tok.encode("<tool_call>")[0], tok.encode("</think>")[0]
+    assert tok.encode("<tool_call>") == [call_open] and tok.encode("</think>") == [think_end]
+    assert not qwen_vocab.ll.is_special_token(call_open) and qwen_vocab.ll.is_special_token(tok.eos_id)
+    xml = DIALECTS["qwen_xml"]
+    tools = parse_tools([_tool("get_time", {"tz": {"type": "string"}}, ["tz"])])
+    required = qwen_vocab.matcher(tool_call_grammar(xml, tools, mode="required"))
+    assert required.consume_token(call_open), required.get_error()
+    thinking = qwen_vocab.matcher(tool_call_grammar(xml, tools, mode="required", think="open"))
+    assert thinking.consume_tokens(tok.encode("let me see")) and thinking.consume_token(think_end)
+    assert thinking.consume_tokens(tok.encode("\n")) and thinking.consume_token(call_open), thinking.get_error()
+    text = "<tool_call>\n<function=get_time>\n<parameter=tz>\nUTC\n</parameter>\n</function>\n</tool_call>"
+    assert qwen_vocab.run(tool_call_grammar(xml, tools, mode="required"), text) == "accept"
+    answer = qwen_vocab.matcher(json_object_grammar(None, think="open"))
+    assert answer.consume_token(think_end) and answer.consume_tokens(tok.encode('{"a": 1}')), answer.get_error()
+    assert answer.is_accepting()

@@ -18,6 +18,40 @@ from typing import Any
 import numpy as np
 
 
+class _GrammarVocabulary:
+    """The vocabulary as llguidance's `TokenizerWrapper` reads it: every token's bytes, control tokens (the
+    ones decode hides) marked special with llguidance's 0xFF prefix, and a tokenize function.
+
+    Built from the GGUF's own token types rather than from the `tokenizers` JSON export: llguidance treats
+    every added token that looks like "<...>" as special even when the export marks it `special: false`, so
+    Qwen's user-defined "<tool_call>" and "</think>" tokens could never match the markers the grammars write as
+    text (a "required" call ended with no call, and a think block could not close)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.eos_token_id = tokenizer.eos_id
+        self.bos_token_id = tokenizer.bos_id
+        n = tokenizer.vocab_size
+        self.special_token_ids = [i for i in range(n) if tokenizer.is_hidden(i)]
+        hidden = set(self.special_token_ids)
+        self.tokens = [b"\xff" + tokenizer.token_bytes(i) if i in hidden else tokenizer.token_bytes(i)
+                       for i in range(n)]
+        self._tokenizer = tokenizer
+
+    def __call__(self, text: str | bytes) -> list[int]:
+        if isinstance(text, bytes):
+            text = text.decode("utf-8", errors="replace")
+        return self._tokenizer.encode(text, parse_special=False)
+
+
+def grammar_tokenizer(tokenizer: Any) -> Any:
+    """llguidance's `LLTokenizer` for a `pantheon.io.tokenizer.Tokenizer` (raises ImportError without
+    llguidance)."""
+    import llguidance
+
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_GrammarVocabulary(tokenizer)),
+                                  eos_token=tokenizer.eos_id)
+
+
 def unpack_bitmask(bitmask: bytes, vocab_size: int) -> np.ndarray:
     return np.unpackbits(np.frombuffer(bitmask, dtype=np.uint8), bitorder="little")[:vocab_size].astype(bool)
 
@@ -85,8 +119,9 @@ class GrammarController:
 
     @property
     def completed(self) -> bool:
-        """The output satisfies the grammar (for response_format_status)."""
-        return self.matcher.is_accepting() or self.matcher.is_stopped()
+        """The output satisfies the grammar (for response_format_status). A matcher stopped by an error (a token
+        the grammar refused, e.g. one forced by a reasoning budget) did not."""
+        return not self.matcher.is_error() and (self.matcher.is_accepting() or self.matcher.is_stopped())
 
 
 class ReasoningBudget:

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from pantheon.config import DEFAULT_CTX_CAP, EnvKnobs, ModelOptions
+from pantheon.engine.constraints import grammar_tokenizer
 from pantheon.errors import ModelLoadError
 from pantheon.io.chat_template import ChatTemplate, TemplateRenderError
 from pantheon.io.gguf_file import GGUFFile, open_gguf
@@ -81,9 +82,7 @@ def weights_version_of(gguf: GGUFFile) -> int:
 
 def _grammar_tokenizer(tokenizer: Tokenizer) -> Any:
     try:
-        import llguidance
-
-        return llguidance.LLTokenizer(tokenizer.hf_tokenizer_json(), eos_token=tokenizer.eos_id)
+        return grammar_tokenizer(tokenizer)
     except Exception as exc:  # noqa: BLE001 - constrained decoding is optional; serving is not
         logging.getLogger("pantheon.models").warning("grammar-constrained decoding unavailable: %s", exc)
         return None
