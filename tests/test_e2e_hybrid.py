@@ -84,3 +84,7 @@ def test_export_restore_continue_equals_uninterrupted(hybrid: ServerProcess) -> 
     assert r.status_code == 200, r.text
     restored = chat(hybrid, next_msgs, session_id="blob")
     assert restored["choices"][0]["message"] == uninterrupted["choices"][0]["message"]
+    # The blob carries the recurrent state's checkpoints too: the restored session resumes from the same one the
+    # live session did (the state at the blob's end is past where the re-rendered prompt diverges).
+    cached = restored["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached == uninterrupted["usage"]["prompt_tokens_details"]["cached_tokens"] > 0

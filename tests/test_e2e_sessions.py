@@ -402,7 +402,12 @@ def _rejections(snap: dict[str, Any]) -> list[tuple[str, dict[str, Any] | bytes,
               "huge-shape": _first_array("shape", [2**40, 2**40, 2**40]), "overflow-shape": _first_array(
                   "shape", [2**62, 4]), "float-shape": _first_array("shape", [1.5]),
               "arrays-not-a-list": lambda header: header.__setitem__("arrays", 5),
-              "array-not-an-object": lambda header: header.__setitem__("arrays", [7])}
+              "array-not-an-object": lambda header: header.__setitem__("arrays", [7]),
+              "checkpoint-past-the-end": lambda header: header.__setitem__("checkpoints", [10**9]),
+              "checkpoints-not-a-list": lambda header: header.__setitem__("checkpoints", 3),
+              "checkpoint-without-its-arrays": lambda header: header.__setitem__("checkpoints", [1]),
+              "anchor-negative": lambda header: header.__setitem__("anchor", -1),
+              "anchor-not-an-integer": lambda header: header.__setitem__("anchor", "5")}
     for label, edit in forged.items():
         cases.append((f"forged-{label}", {**good, "blob": b64(reheader(blob, edit))}, 400, "bad_session_blob"))
     for cut in (0, 10, 16, len(blob) // 2, len(blob) - 33, len(blob) - 1):

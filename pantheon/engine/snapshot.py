@@ -6,13 +6,18 @@ Layout (all integers little-endian):
     format_version   u32       1
     header_length    u32       length of the JSON header that follows
     header           JSON      {"architecture", "dims" (the model's state geometry), "weights_version",
-                                "n_tokens", "arrays": [{"name", "dtype", "shape"}, ...]}
+                                "n_tokens", "arrays": [{"name", "dtype", "shape"}, ...],
+                                "checkpoints": [n, ...] (optional; positions of recurrent-state checkpoints),
+                                "anchor": n (optional; where the last turn's history ended)}
     tokens           int32[n_tokens]
     arrays           each array's raw bytes, in header order (C order)
     checksum         32 bytes  BLAKE2b-256 over every byte above
 
 The arrays are whatever the architecture's sequence state is: K and V of the first n_tokens positions for
-each attention layer; conv and recurrent state for SSM layers (fixed size). A restore checks, in order:
+each attention layer; conv and recurrent state for SSM layers (fixed size); for a recurrent model, also its
+state at each checkpoint position (arrays named "checkpoint<j>.<name>"), which a resumed conversation needs:
+that state cannot be rewound, and the next turn's prompt re-renders the last reply and leaves the blob's
+tokens where that reply began. A restore checks, in order:
 checksum, magic and version, architecture and dims, weights_version (a mismatch is the caller's 409), that
 the tokens match the header and the request, and that every array has exactly the declared size.
 """
@@ -22,7 +27,7 @@ from __future__ import annotations
 import hashlib
 import math
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -49,6 +54,10 @@ class Snapshot:
     weights_version: int
     tokens: list[int]
     arrays: list[tuple[str, np.ndarray]]
+    checkpoints: list[int] = field(default_factory=list)  # token counts of the recurrent checkpoints, ascending
+    # How much of the tokens a prompt must repeat to continue this conversation (the last turn's history end);
+    # None: unknown (blobs that predate it).
+    anchor: int | None = None
 
 
 def _digest(data: bytes | memoryview) -> bytes:
@@ -63,6 +72,10 @@ def encode(snapshot: Snapshot) -> bytes:
         "n_tokens": len(snapshot.tokens),
         "arrays": [{"name": n, "dtype": a.dtype.str, "shape": list(a.shape)} for n, a in snapshot.arrays],
     }
+    if snapshot.checkpoints:
+        header["checkpoints"] = list(snapshot.checkpoints)
+    if snapshot.anchor is not None:
+        header["anchor"] = snapshot.anchor
     header_bytes = orjson.dumps(header)
     parts = [_PREFIX.pack(MAGIC, FORMAT_VERSION, len(header_bytes)), header_bytes,
              np.asarray(snapshot.tokens, dtype="<i4").tobytes()]
@@ -135,4 +148,11 @@ def decode(blob: bytes, *, architecture: str, dims: dict[str, Any], weights_vers
         offset += nbytes
     if offset != len(body):
         raise BadBlob(f"blob has {len(body) - offset} unexpected trailing bytes")
-    return Snapshot(architecture, dims, weights_version, tokens, arrays)
+    checkpoints = header.get("checkpoints", [])
+    if not (isinstance(checkpoints, list) and all(type(c) is int and 0 < c <= n_tokens for c in checkpoints)
+            and checkpoints == sorted(set(checkpoints))):
+        raise BadBlob("blob header's checkpoints are not ascending positions within its tokens")
+    anchor = header.get("anchor")
+    if anchor is not None and not (type(anchor) is int and 0 <= anchor <= n_tokens):
+        raise BadBlob("blob header's anchor is not a position within its tokens")
+    return Snapshot(architecture, dims, weights_version, tokens, arrays, checkpoints, anchor)

@@ -433,6 +433,23 @@ class Qwen35Model:
             pool[slot] = be.upload(arr)
         state.n_tokens[slot] = snap.n_tokens
 
+    def checkpoint_layout(self) -> list[tuple[str, tuple[int, ...]]]:
+        """Names and shapes of `checkpoint_arrays`: the recurrent layers' part of `slot_layout`."""
+        return [(name, shape) for name, shape in self.slot_layout(0) if name.startswith(("conv", "ssm"))]
+
+    def checkpoint_arrays(self, snap: RecurrentSnapshot) -> list[tuple[str, np.ndarray]]:
+        """A checkpoint as named arrays, in `checkpoint_layout` order (for a session blob)."""
+        names = [name for name, _ in self.checkpoint_layout()]
+        conv = iter(snap.conv)
+        ssm = iter(snap.ssm)
+        return [(name, next(conv) if name.startswith("conv") else next(ssm)) for name in names]
+
+    def checkpoint_from_arrays(self, n_tokens: int, arrays: list[tuple[str, np.ndarray]]) -> RecurrentSnapshot:
+        """The checkpoint `checkpoint_arrays` wrote (layout checked by the caller)."""
+        return RecurrentSnapshot(n_tokens, tuple(np.array(a, dtype=self.state_dtype) for n, a in arrays
+                                                 if n.startswith("conv")),
+                                 tuple(np.array(a, dtype=self.state_dtype) for n, a in arrays if n.startswith("ssm")))
+
     def state_dims(self) -> dict[str, Any]:
         """The geometry a session blob must match to be restored into this model."""
         c = self.config

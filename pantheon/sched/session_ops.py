@@ -38,13 +38,18 @@ async def export_session(scheduler: Scheduler, session_id: str) -> ExportedSessi
                        headers={"Retry-After": "1"})
     slot = max((s for s in session.slots if s.tokens), key=lambda s: s.last_used)
     tokens = list(slot.tokens)
+    checkpoints = sorted((c for c in slot.checkpoints if 0 < c.n_tokens <= len(tokens)), key=lambda c: c.n_tokens)
+    anchor = min(slot.anchor, len(tokens))
     served = scheduler.served
+    model = served.model
     slot.busy = slot.exporting = True
     try:
         def serialize() -> bytes:
-            arrays = served.model.read_slot(scheduler.state, slot.index, len(tokens))
-            return snapshot.encode(snapshot.Snapshot(served.architecture, served.model.state_dims(),
-                                                     served.weights_version, tokens, arrays))
+            arrays = model.read_slot(scheduler.state, slot.index, len(tokens))
+            for j, checkpoint in enumerate(checkpoints):
+                arrays += [(f"checkpoint{j}.{name}", a) for name, a in model.checkpoint_arrays(checkpoint)]
+            return snapshot.encode(snapshot.Snapshot(served.architecture, model.state_dims(), served.weights_version,
+                                                     tokens, arrays, [c.n_tokens for c in checkpoints], anchor))
 
         blob = await trio.to_thread.run_sync(serialize)
     except MemoryError:
@@ -78,9 +83,21 @@ async def restore_session(scheduler: Scheduler, session_id: str, blob: bytes, to
     if n >= scheduler.kv_cap:
         raise _bad_blob(f"the blob holds {n} tokens; this model's context window is {scheduler.kv_cap}")
     expected = model.slot_layout(n)
+    if snap.checkpoints:
+        if not hasattr(model, "checkpoint_layout"):
+            raise _bad_blob("the blob has recurrent-state checkpoints; this model keeps none")
+        for j in range(len(snap.checkpoints)):
+            expected += [(f"checkpoint{j}.{name}", shape) for name, shape in model.checkpoint_layout()]
     got = [(name, tuple(a.shape)) for name, a in snap.arrays]
     if got != expected or any(a.dtype.kind != "f" for _, a in snap.arrays):
         raise _bad_blob("the blob's state arrays do not fit this model")
+    n_state = len(model.slot_layout(n))
+    state_arrays = snap.arrays[:n_state]
+    checkpoints = []
+    for j, at in enumerate(snap.checkpoints):
+        prefix = f"checkpoint{j}."
+        part = [(name[len(prefix):], a) for name, a in snap.arrays[n_state:] if name.startswith(prefix)]
+        checkpoints.append(model.checkpoint_from_arrays(at, part))
 
     if any(t < 0 or t >= model.vocab_size for t in tokens):
         raise _bad_blob("the blob's tokens are outside this model's vocabulary")
@@ -92,7 +109,7 @@ async def restore_session(scheduler: Scheduler, session_id: str, blob: bytes, to
     def write() -> None:
         # A blob saved with another KV precision (float32 vs float16: PANTHEON_CPU_INT8, or another backend)
         # is converted to this model's, as its own prefill would have rounded it.
-        arrays = [(name, a.astype(model.state_dtype, copy=False)) for name, a in snap.arrays]
+        arrays = [(name, a.astype(model.state_dtype, copy=False)) for name, a in state_arrays]
         model.write_slot(scheduler.state, slot.index, arrays, n)
 
     try:
@@ -103,5 +120,10 @@ async def restore_session(scheduler: Scheduler, session_id: str, blob: bytes, to
         scheduler.sessions.finish(slot, keep=False)
         raise
     slot.tokens[:] = tokens
+    # As the exporting slot had them: the next turn of the conversation repeats its history up to the anchor,
+    # and a recurrent model resumes from the last checkpoint before the point where the prompts diverge.
+    slot.checkpoints = checkpoints
+    if snap.anchor is not None:
+        slot.anchor = snap.anchor
     scheduler.sessions.finish(slot)
     return n
