@@ -102,7 +102,7 @@ def test_reasoning_budget_alias() -> None:
     {"messages": MSG, "stream_options": "x"}, {"messages": MSG, "stream_options": {"include_usage": "yes"}},
     {"messages": MSG, "max_tokens": 2.5}, {"messages": MSG, "n": 1.5}, {"messages": MSG, "top_k": 1.5},
     {"messages": MSG, "seed": 1.5}, {"messages": MSG, "session_id": 5}, {"messages": MSG, "prompt_cache_key": ["a"]},
-    {"messages": MSG, "min_p": "x"},
+    {"messages": MSG, "min_p": "x"}, {"messages": MSG, "parallel_tool_calls": "no"},
 ])
 def test_invalid_bodies_are_400(body: object) -> None:
     with pytest.raises(ApiError) as info:

@@ -448,3 +448,31 @@ def test_schema_helpers() -> None:
     assert loads_forgiving("[1, 2,]") == [1, 2]
     with pytest.raises(ValueError):
         loads_forgiving("__import__('os')")
+
+
+class _ByteTokens:
+    """A vocabulary of the 256 bytes, one token each: enough for ChoiceOutput's decoder."""
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return bytes([token_id])
+
+    def is_hidden(self, token_id: int) -> bool:
+        return False
+
+
+@pytest.mark.parametrize("max_calls,expected", [(None, ["read", "write"]), (1, ["read"])])
+def test_parallel_tool_calls_false_keeps_the_first_call(max_calls: int | None, expected: list[str]) -> None:
+    """`parallel_tool_calls: false` (llama-server honours it): the first call is returned and streamed, later
+    ones are dropped, in both the choice and its deltas."""
+    from pantheon.chat.output import ChoiceOutput
+    from pantheon.engine.sampling import SampledToken
+
+    text = "ok " + call("read", param("path", "a.txt")) + "\n" + call("write", param("path", "b") + param("content", "x"))
+    out = ChoiceOutput(_ByteTokens(), stops=[], think=False, prompt_opens_think=False, want_logprobs=False,  # type: ignore[arg-type]
+                       tool_parser=DIALECTS["qwen_xml"].parser(TOOLS), max_calls=max_calls)
+    streamed = []
+    for b in text.encode():
+        streamed += out.push(SampledToken(b)).tool_calls
+    streamed += out.finish().tool_calls
+    assert [c["function"]["name"] for c in out.tool_calls] == expected
+    assert [d["name"] for d in streamed if "name" in d] == expected

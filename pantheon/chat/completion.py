@@ -150,7 +150,7 @@ def _new_output(completion: Completion) -> ChoiceOutput:
         parser.call_forced = plan.call_forced
     return ChoiceOutput(completion.instance.served.tokenizer, stops=r.stop, think=completion.prompt.think,
                         prompt_opens_think=completion.prompt.opens_think, want_logprobs=r.logprobs,
-                        tool_parser=parser)
+                        tool_parser=parser, max_calls=None if r.parallel_tool_calls else 1)
 
 
 def _response_format_status(completion: Completion, results: list[ChoiceResult]) -> str | None:

@@ -134,12 +134,14 @@ class ChoiceOutput:
     dialect's incremental call parser: prose stays content, calls become tool_calls."""
 
     def __init__(self, tokenizer: Tokenizer, *, stops: list[str], think: bool, prompt_opens_think: bool,
-                 want_logprobs: bool, tool_parser: ToolCallParser | None = None) -> None:
+                 want_logprobs: bool, tool_parser: ToolCallParser | None = None, max_calls: int | None = None
+                 ) -> None:
         self.tokenizer = tokenizer
         self._decoder = StreamingDecoder(tokenizer, skip_special=True)
         self._stop = StopFilter(stops)
         self._think = ThinkSplitter(think, prompt_opens_think)
         self._tools = tool_parser
+        self._max_calls = max_calls  # `parallel_tool_calls: false` -> 1: calls past the first are dropped
         self._want_logprobs = want_logprobs
         # Logprob entries not sent yet, each with where its token's text begins in the stop filter's input: an
         # entry goes out once text from there on has passed the filter, and the tokens of a stop string never
@@ -183,6 +185,8 @@ class ChoiceOutput:
             elif isinstance(event, CallStart):
                 self._call_ids[event.index] = (event.id, event.name)
             elif isinstance(event, CallEnd):
+                if self._max_calls is not None and len(self.tool_calls) >= self._max_calls:
+                    continue
                 call_id, name = self._call_ids[event.index]
                 index = len(self.tool_calls)
                 delta.tool_calls.append({"index": index, "id": call_id, "name": name})

@@ -49,6 +49,7 @@ class ChatRequest:
     reasoning_budget: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = "auto"
+    parallel_tool_calls: bool = True  # False: one call at most (later ones are dropped)
     session_id: str | None = None
 
 
@@ -234,5 +235,6 @@ def parse_chat_request(body: Any, *, header_session: str | None = None) -> ChatR
         reasoning_budget=reasoning_budget,
         tools=tools or None,
         tool_choice=tool_choice,
+        parallel_tool_calls=bool(_boolean(body, "parallel_tool_calls", True)),
         session_id=_session_key(body, header_session),
     )
