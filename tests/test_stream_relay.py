@@ -31,7 +31,7 @@ def tokenizer() -> Tokenizer:
 
 
 def _completion(tokenizer: Tokenizer, stops: list[str]) -> tuple[chat_completion.Completion, Any]:
-    request = SimpleNamespace(stop=stops, logprobs=False, include_usage=False)
+    request = SimpleNamespace(stop=stops, logprobs=False, include_usage=False, parallel_tool_calls=True)
     instance = SimpleNamespace(name="m", served=SimpleNamespace(tokenizer=tokenizer))
     prompt = SimpleNamespace(think=False, opens_think=False)
     completion = chat_completion.Completion(instance=instance, request=request, prompt=prompt)  # type: ignore[arg-type]
