@@ -15,7 +15,7 @@ Layout (all integers little-endian):
 
 The arrays are whatever the architecture's sequence state is: K and V of the first n_tokens positions for
 each attention layer; conv and recurrent state for SSM layers (fixed size); for a recurrent model, also its
-state at each checkpoint position (arrays named "checkpoint<j>.<name>"), which a resumed conversation needs:
+state at checkpoint positions (arrays named "checkpoint<j>.<name>"), which a resumed conversation needs:
 that state cannot be rewound, and the next turn's prompt re-renders the last reply and leaves the blob's
 tokens where that reply began. A restore checks, in order:
 checksum, magic and version, architecture and dims, weights_version (a mismatch is the caller's 409), that

@@ -38,8 +38,12 @@ async def export_session(scheduler: Scheduler, session_id: str) -> ExportedSessi
                        headers={"Retry-After": "1"})
     slot = max((s for s in session.slots if s.tokens), key=lambda s: s.last_used)
     tokens = list(slot.tokens)
-    checkpoints = sorted((c for c in slot.checkpoints if 0 < c.n_tokens <= len(tokens)), key=lambda c: c.n_tokens)
     anchor = min(slot.anchor, len(tokens))
+    # A recurrent model's next turn resumes from its last checkpoint at or before the anchor (where the prompts
+    # diverge is at or past it): that one goes in the blob, not every checkpoint the slot keeps (each is the
+    # whole recurrent state, ~100 MB for the largest hybrids).
+    resume = max((c for c in slot.checkpoints if 0 < c.n_tokens <= anchor), key=lambda c: c.n_tokens, default=None)
+    checkpoints = [resume] if resume is not None else []
     served = scheduler.served
     model = served.model
     slot.busy = slot.exporting = True
