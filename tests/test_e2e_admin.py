@@ -380,7 +380,9 @@ def test_two_models_unknown_or_missing_model_is_404(main_clean: ServerProcess, m
 def test_load_while_another_model_streams(main_clean: ServerProcess, tiny_dir: Path) -> None:
     # A file this server has never loaded (its first tiny f32 model: the load compiles kernels, too).
     path = write_tiny_llama(tiny_dir / "tiny_mid.gguf", seed=7, ctx=2048, name="mid")
-    with StreamReader(main_clean, {**LONG_STREAM, "model": "b"}) as stream:
+    # Sampled, not greedy: a greedy story loops and the repetition detector ends it (after ~430 tokens once, which
+    # a slow first load in a fresh clone outlasted); this stream must outlast the load.
+    with StreamReader(main_clean, {**LONG_STREAM, "model": "b", "temperature": 1.0, "seed": 11}) as stream:
         stream.wait_chunks(10)
         load_start = time.monotonic()
         r = load(main_clean, {"path": str(path), "name": "c"})
