@@ -87,6 +87,7 @@ async def restore_session(scheduler: Scheduler, session_id: str, blob: bytes, to
     if n >= scheduler.kv_cap:
         raise _bad_blob(f"the blob holds {n} tokens; this model's context window is {scheduler.kv_cap}")
     expected = model.slot_layout(n)
+    n_state = len(expected)  # the state arrays come first, then each checkpoint's
     if snap.checkpoints:
         if not hasattr(model, "checkpoint_layout"):
             raise _bad_blob("the blob has recurrent-state checkpoints; this model keeps none")
@@ -95,7 +96,6 @@ async def restore_session(scheduler: Scheduler, session_id: str, blob: bytes, to
     got = [(name, tuple(a.shape)) for name, a in snap.arrays]
     if got != expected or any(a.dtype.kind != "f" for _, a in snap.arrays):
         raise _bad_blob("the blob's state arrays do not fit this model")
-    n_state = len(model.slot_layout(n))
     state_arrays = snap.arrays[:n_state]
     checkpoints = []
     for j, at in enumerate(snap.checkpoints):
