@@ -110,6 +110,8 @@ def f32_values(rng: np.random.Generator, name: str, shape: tuple[int, ...]) -> n
 def write_model(path: Path, layers: int, experts: int) -> None:
     import gguf
 
+    from bench.twin import write_tensors
+
     rng = np.random.default_rng(0)
     plan = tensor_plan(layers, experts)
     w = gguf.GGUFWriter(str(path.with_suffix(".tmp")), ARCH)
@@ -126,19 +128,9 @@ def write_model(path: Path, layers: int, experts: int) -> None:
         add(value)
     w.add_rope_dimension_sections([11, 11, 10, 0])
     w.add_uint32(f"{ARCH}.full_attention_interval", 4)
-    for name, shape, qtype in plan:
-        if qtype == F32:
-            w.add_tensor_info(name, shape, np.dtype(np.float32), 4 * int(np.prod(shape)))
-        else:
-            block, nbytes = BLOCK[qtype]
-            byte_shape = (*shape[:-1], shape[-1] // block * nbytes)
-            w.add_tensor_info(name, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)),
-                              raw_dtype=gguf.GGMLQuantizationType(qtype))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    for name, shape, qtype in plan:
-        w.write_tensor_data(f32_values(rng, name, shape) if qtype == F32 else random_blocks(rng, qtype, shape))
+    write_tensors(w, plan, lambda qtype, name: BLOCK[qtype],
+                  lambda name, shape, qtype: f32_values(rng, name, shape) if qtype == F32 else
+                  random_blocks(rng, qtype, shape))
     w.close()
     path.with_suffix(".tmp").replace(path)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -42,12 +43,22 @@ def build_twin(skeleton: Path, out: Path, seed: int = 0) -> Path:
     writer = gguf.GGUFWriter(str(out), _architecture(reader))
     _copy_metadata(reader, writer, skip=(TWIN_KEY,))
     rng = np.random.default_rng(seed)
+    write_tensors(writer, plan, _block, lambda name, shape, qtype: _random_tensor(rng, shape, qtype, name))
+    writer.close()
+    return out
+
+
+def write_tensors(writer: gguf.GGUFWriter, plan: list, block_of: Callable[[int, str], tuple[int, int]],
+                  data_of: Callable[[str, list[int], int], np.ndarray]) -> None:
+    """The tensors of `plan` ([name, numpy shape, ggml type], in file order) into a writer that holds the
+    metadata: their infos, the header and metadata, then each tensor's data from `data_of`. F32 and F16 tensors
+    are typed arrays; a quantized one is its blocks' bytes, `block_of(type, name)` = (values, bytes) a block."""
     for name, shape, qtype in plan:
         if qtype in (F32, F16):
             writer.add_tensor_info(name, shape, np.dtype(np.float32 if qtype == F32 else np.float16),
                                    (4 if qtype == F32 else 2) * int(np.prod(shape)))
         else:
-            block, nbytes = _block(qtype, name)
+            block, nbytes = block_of(qtype, name)
             byte_shape = (*shape[:-1], shape[-1] // block * nbytes)
             writer.add_tensor_info(name, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)),
                                    raw_dtype=gguf.GGMLQuantizationType(qtype))
@@ -55,9 +66,7 @@ def build_twin(skeleton: Path, out: Path, seed: int = 0) -> Path:
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     for name, shape, qtype in plan:
-        writer.write_tensor_data(_random_tensor(rng, shape, qtype, name))
-    writer.close()
-    return out
+        writer.write_tensor_data(data_of(name, shape, qtype))
 
 
 def _block(qtype: int, name: str) -> tuple[int, int]:

@@ -91,9 +91,15 @@ def _float_env(environ: Mapping[str, str], name: str, default: float) -> float:
         raise SystemExit(f"environment variable {name}={raw!r} is not a number") from None
 
 
+def pantheon_home(environ: Mapping[str, str] | None = None) -> Path:
+    """PANTHEON_HOME, or ~/.cache/pantheon: the default model, derived files and compiled kernels live there."""
+    env = os.environ if environ is None else environ
+    return Path(env.get("PANTHEON_HOME") or Path.home() / ".cache" / "pantheon").expanduser()
+
+
 def read_env(environ: Mapping[str, str] | None = None) -> EnvKnobs:
     env = os.environ if environ is None else environ
-    home = Path(env.get("PANTHEON_HOME") or Path.home() / ".cache" / "pantheon").expanduser()
+    home = pantheon_home(env)
     batch_slots = _flag_env(env, "QWEN35_BATCH_SLOTS")
     return EnvKnobs(
         home=home,

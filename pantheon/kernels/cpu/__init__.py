@@ -13,6 +13,10 @@ kernels' instruction set and whether a float16 KV cache can be converted in regi
 import llvmlite.binding as llvm_binding
 import numba
 
+from pantheon import jit_cache
+
+jit_cache.configure()  # before any kernel module is imported (see pantheon/jit_cache.py)
+
 numba.config.THREADING_LAYER_PRIORITY = ["omp", "tbb", "workqueue"]
 
 HOST_CPU_FEATURES: frozenset[str] = frozenset(llvm_binding.get_host_cpu_features().flatten().split(","))
