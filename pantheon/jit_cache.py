@@ -19,19 +19,22 @@ from pathlib import Path
 from pantheon.config import pantheon_home
 
 _PACKAGE = Path(__file__).resolve().parent
-# Every module with cached numba functions, and the modules they inline.
-_JIT_SOURCES = ("kernels/cpu", "engine")
 
 
-def fingerprint() -> str:
+def jit_sources(package: Path = _PACKAGE) -> list[Path]:
+    """The package's modules that mention numba: every module with cached functions, and those they inline
+    (an edit elsewhere, say to the HTTP layer, keeps the compiled kernels)."""
+    return [path for path in sorted(package.rglob("*.py")) if b"numba" in path.read_bytes()]
+
+
+def fingerprint(package: Path = _PACKAGE) -> str:
     import llvmlite
     import numba
 
     digest = hashlib.sha256(f"{numba.__version__} {llvmlite.__version__}".encode())
-    for folder in _JIT_SOURCES:
-        for path in sorted((_PACKAGE / folder).glob("*.py")):
-            digest.update(path.name.encode())
-            digest.update(path.read_bytes())
+    for path in jit_sources(package):
+        digest.update(str(path.relative_to(package)).encode())
+        digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
 
 

@@ -12,16 +12,20 @@ from pathlib import Path
 from pantheon import jit_cache
 
 
-def test_the_fingerprint_follows_every_jitted_source(tmp_path: Path, monkeypatch) -> None:
+def test_the_fingerprint_follows_every_jitted_source(tmp_path: Path) -> None:
     package = tmp_path / "pantheon"
-    for folder in jit_cache._JIT_SOURCES:
-        shutil.copytree(jit_cache._PACKAGE / folder, package / folder, ignore=shutil.ignore_patterns("__pycache__"))
-    monkeypatch.setattr(jit_cache, "_PACKAGE", package)
-    before = jit_cache.fingerprint()
-    assert jit_cache.fingerprint() == before
+    shutil.copytree(jit_cache._PACKAGE, package, ignore=shutil.ignore_patterns("__pycache__"))
+    sources = {str(p.relative_to(package)) for p in jit_cache.jit_sources(package)}
+    assert {"kernels/cpu/int8dot.py", "kernels/cpu/decode_layers.py", "engine/sampling.py"} <= sources
+    assert "http/app.py" not in sources
+    before = jit_cache.fingerprint(package)
+    assert jit_cache.fingerprint(package) == before
+    app = package / "http" / "app.py"
+    app.write_text(app.read_text() + "\n# an edit outside the kernels\n")
+    assert jit_cache.fingerprint(package) == before
     int8dot = package / "kernels" / "cpu" / "int8dot.py"
     int8dot.write_text(int8dot.read_text() + "\n# an edit\n")
-    assert jit_cache.fingerprint() != before
+    assert jit_cache.fingerprint(package) != before
 
 
 def test_the_cache_lives_under_pantheon_home_unless_numba_cache_dir_is_set(tmp_path: Path) -> None:
