@@ -39,3 +39,36 @@ def test_read_meminfo(tmp_path: Path) -> None:
     f.write_text("MemTotal:       1000 kB\nMemFree:         100 kB\nMemAvailable:    250 kB\n")
     r = read_meminfo(f)
     assert (r.total_bytes, r.available_bytes, r.available_pct) == (1024000, 256000, 25.0)
+
+
+class _Scheduler:
+    max_concurrent_configured = 8
+    ctx_window_configured = 4096
+
+    def apply_limits(self, concurrency: int, window: int, critical: bool) -> None:
+        self.limits = (concurrency, window, critical)
+
+
+class _Instance:
+    def __init__(self, dies: tuple[int, ...], on_accelerator: bool) -> None:
+        self.dies, self.on_accelerator, self.scheduler = dies, on_accelerator, _Scheduler()
+
+
+def test_a_model_on_dies_follows_its_dies_ladders_and_a_host_model_the_hosts() -> None:
+    from pantheon.http.server import apply_memory_limits
+    from pantheon.sched.memory import MemoryWatch
+
+    watch = MemoryWatch(15, 8, 4)
+    watch.host.update(reading(50))
+    watch.update_die(0, reading(10))  # elevated
+    watch.update_die(1, reading(3))  # critical
+    host, on_0, on_0_1, not_probed = (_Instance((), False), _Instance((0,), True), _Instance((0, 1), True),
+                                      _Instance((2,), True))
+    apply_memory_limits([host, on_0, on_0_1, not_probed], watch)
+    assert host.scheduler.limits == (8, 4096, False)
+    assert on_0.scheduler.limits == (4, 4096, False)
+    assert on_0_1.scheduler.limits == (1, 2048, True)  # the worse of its two dies
+    assert not_probed.scheduler.limits == (8, 4096, False)  # no reading for die 2 yet: the host's ladder
+    watch.host.update(reading(3))
+    apply_memory_limits([host, on_0], watch)
+    assert host.scheduler.limits == (1, 2048, True) and on_0.scheduler.limits == (4, 4096, False)

@@ -24,7 +24,7 @@ from pantheon.metrics import standard_metrics
 from pantheon.sched.manager import ModelManager
 from pantheon.sched.registry import Registry
 from pantheon.sched.persistence import load_sessions, save_sessions
-from pantheon.sched.memory import MemoryLadder, read_meminfo
+from pantheon.sched.memory import MemoryReading, MemoryWatch, read_meminfo
 
 log = logging.getLogger("pantheon")
 
@@ -36,24 +36,38 @@ def make_backend(options: ServeOptions) -> Any:
 
 
 async def _watch_memory(state: ServerState, env: EnvKnobs) -> None:
-    """The memory-pressure ladder: poll host memory, clamp every scheduler's slots and window."""
-    ladder = MemoryLadder(env.mem_elevated_pct, env.mem_high_pct, env.mem_critical_pct)
+    """The memory-pressure ladders: poll host memory (and each die's, on the cuda backend), clamp every
+    scheduler's slots and window by the ladder of the memory its state lives in."""
+    watch = MemoryWatch(env.mem_elevated_pct, env.mem_high_pct, env.mem_critical_pct)
+    die_manager = state.manager.die_manager if state.manager is not None else None
     while True:
         try:
             reading = read_meminfo(env.meminfo_path)
         except (OSError, ValueError):
             reading = None  # unreadable: keep the last level
         if reading is not None:
-            before = ladder.level
-            level = state.memory_level = ladder.update(reading)
+            before = watch.host.level
+            level = state.memory_level = watch.host.update(reading)
             if level != before:
                 log.warning("memory pressure level %d -> %d (%.1f%% available)", before, level,
                             reading.available_pct)
-        for instance in state.registry.instances:
-            s = instance.scheduler
-            s.apply_limits(ladder.concurrency(s.max_concurrent_configured), ladder.window(s.ctx_window_configured),
-                           ladder.critical)
+        if die_manager is not None:
+            for die in sorted({d for i in state.registry.instances if i.on_accelerator for d in i.dies}):
+                before = watch.dies[die].level if die in watch.dies else 0
+                die_reading = MemoryReading(*die_manager.memory(die))
+                if watch.update_die(die, die_reading) != before:
+                    log.warning("die %d memory pressure level %d -> %d (%.1f%% available)", die, before,
+                                watch.dies[die].level, die_reading.available_pct)
+        apply_memory_limits(state.registry.instances, watch)
         await trio.sleep(env.mem_poll_ms / 1000.0)
+
+
+def apply_memory_limits(instances: list[Any], watch: MemoryWatch) -> None:
+    for instance in instances:
+        ladder = watch.ladder_for(instance.dies, instance.on_accelerator)
+        s = instance.scheduler
+        s.apply_limits(ladder.concurrency(s.max_concurrent_configured), ladder.window(s.ctx_window_configured),
+                       ladder.critical)
 
 
 async def _reap_sessions(registry: Registry, env: EnvKnobs) -> None:

@@ -72,3 +72,20 @@ class MemoryLadder:
     @property
     def critical(self) -> bool:
         return self.level >= 3
+
+
+class MemoryWatch:
+    """The host's ladder and one ladder per die. A model whose forward passes run on dies (its KV rings and
+    state live there) follows the worst of its dies' ladders; a model on the host follows the host's."""
+
+    def __init__(self, elevated_pct: float, high_pct: float, critical_pct: float) -> None:
+        self._thresholds = (elevated_pct, high_pct, critical_pct)
+        self.host = MemoryLadder(*self._thresholds)
+        self.dies: dict[int, MemoryLadder] = {}
+
+    def update_die(self, die: int, reading: MemoryReading) -> int:
+        return self.dies.setdefault(die, MemoryLadder(*self._thresholds)).update(reading)
+
+    def ladder_for(self, dies: tuple[int, ...], on_accelerator: bool) -> MemoryLadder:
+        ladders = [self.dies[d] for d in dies if d in self.dies] if on_accelerator else []
+        return max(ladders, key=lambda ladder: ladder.level) if ladders else self.host

@@ -66,3 +66,23 @@ def test_charges_are_per_owner_and_bounded_by_the_budget():
     assert manager.used(0) == 3 * GiB and manager.used(1) == 0
     manager.release(0, "a", 5 * GiB)  # releasing more than charged clears the owner
     assert manager.owners(0) == {}
+
+
+def test_a_dies_memory_reading_for_the_ladder():
+    """The driver's free memory beyond the reserve; where the driver cannot be read (or raises), the budget
+    less what models were charged."""
+    answers = {0: (30 * GiB, 140 * GiB), 1: None}
+
+    def memory(ordinal):
+        if ordinal == 2:
+            raise RuntimeError("driver error")
+        return answers[ordinal]
+
+    dies = [DieInfo(i, "H200", 140 * GiB, i, "") for i in range(3)]
+    manager = DieManager(dies, reserve_bytes=2 * GiB, memory_probe=memory)
+    assert manager.memory(0) == (28 * GiB, 138 * GiB)
+    manager.charge(1, "m", 100 * GiB)
+    assert manager.memory(1) == (38 * GiB, 138 * GiB)
+    assert manager.memory(2) == (138 * GiB, 138 * GiB)
+    with pytest.raises(IndexError):
+        manager.memory(3)

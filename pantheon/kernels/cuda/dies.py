@@ -32,6 +32,7 @@ class DieBudgetExceeded(MemoryError):
 
 
 Probe = Callable[[], Sequence[DieInfo]]
+MemoryProbe = Callable[[int], "tuple[int, int] | None"]  # ordinal -> (free, total) bytes, None if unreadable
 
 
 def _visible_devices_empty(environ: Mapping[str, str]) -> bool:
@@ -68,6 +69,33 @@ def driver_probe() -> list[DieInfo]:
         return []
 
 
+def driver_memory_probe(ordinal: int) -> tuple[int, int] | None:
+    """(free, total) bytes of a die as the driver reports them (cuMemGetInfo in its primary context, which a
+    model on that die has already made); None on any failure. Not exercised without a GPU."""
+    try:
+        from cuda.bindings import driver as cu
+
+        ok = cu.CUresult.CUDA_SUCCESS
+        err, dev = cu.cuDeviceGet(ordinal)
+        if err != ok:
+            return None
+        err, ctx = cu.cuDevicePrimaryCtxRetain(dev)
+        if err != ok:
+            return None
+        try:
+            if cu.cuCtxPushCurrent(ctx)[0] != ok:
+                return None
+            try:
+                err, free, total = cu.cuMemGetInfo()
+            finally:
+                cu.cuCtxPopCurrent()
+            return (int(free), int(total)) if err == ok else None
+        finally:
+            cu.cuDevicePrimaryCtxRelease(dev)
+    except Exception:
+        return None
+
+
 def _text(raw: Any) -> str:
     if isinstance(raw, (bytes, bytearray)):
         return raw.split(b"\0", 1)[0].decode(errors="replace")
@@ -77,9 +105,11 @@ def _text(raw: Any) -> str:
 class DieManager:
     """Dies, their budgets and per-owner charges. Thread-safe: loads run in worker threads."""
 
-    def __init__(self, dies: Sequence[DieInfo], reserve_bytes: int = 0) -> None:
+    def __init__(self, dies: Sequence[DieInfo], reserve_bytes: int = 0,
+                 memory_probe: MemoryProbe = driver_memory_probe) -> None:
         self._dies = sorted(dies, key=lambda d: d.ordinal)
         self.reserve_bytes = max(0, int(reserve_bytes))
+        self._memory_probe = memory_probe
         cards: dict[int, int] = {}
         self._card = [cards.setdefault(d.board_group, len(cards)) for d in self._dies]
         self._charges: list[dict[str, int]] = [{} for _ in self._dies]
@@ -87,16 +117,16 @@ class DieManager:
 
     @classmethod
     def probe(cls, reserve_bytes: int = 0, environ: Mapping[str, str] | None = None,
-              probe: Probe | None = None) -> "DieManager":
+              probe: Probe | None = None, memory_probe: MemoryProbe = driver_memory_probe) -> "DieManager":
         """The dies this process can use. Never raises; 0 dies when there is no driver or device."""
         environ = os.environ if environ is None else environ
         if _visible_devices_empty(environ):
-            return cls([], reserve_bytes)
+            return cls([], reserve_bytes, memory_probe)
         try:
             dies = list((probe or driver_probe)())
         except Exception:
             dies = []
-        return cls(dies, reserve_bytes)
+        return cls(dies, reserve_bytes, memory_probe)
 
     # -- queries -------------------------------------------------------------------------------------------
     def count(self) -> int:
@@ -119,6 +149,22 @@ class DieManager:
     def owners(self, die: int) -> dict[str, int]:
         with self._lock:
             return dict(self._charges[self._index(die)])
+
+    def memory(self, die: int) -> tuple[int, int]:
+        """(available, total) bytes of a die for the memory ladder: the driver's free memory beyond the reserve,
+        of the die's total less the reserve; where the driver cannot be read, the budget less what models
+        were charged. Never raises for a visible die."""
+        info = self.info(die)
+        reading = None
+        try:
+            reading = self._memory_probe(info.ordinal)
+        except Exception:
+            reading = None
+        budget = self.budget(die)
+        if reading is None:
+            return max(0, budget - self.used(die)), budget
+        free, total = reading
+        return max(0, int(free) - self.reserve_bytes), max(0, int(total) - self.reserve_bytes)
 
     def status(self) -> list[dict[str, Any]]:
         """One row per die: die, card, vram_budget, vram_used (the model columns are the model manager's)."""
@@ -155,4 +201,4 @@ class DieManager:
         return die
 
 
-__all__ = ["DieBudgetExceeded", "DieInfo", "DieManager", "driver_probe"]
+__all__ = ["DieBudgetExceeded", "DieInfo", "DieManager", "driver_memory_probe", "driver_probe"]
