@@ -388,6 +388,7 @@ def inner_measure(args: argparse.Namespace) -> dict:
         result = {"model": path.name, **_speed(gpu, np.random.default_rng(0).integers(100, 1000, 512).astype(np.int32),
                                                steps)}
         result["graphs"] = gpu.backend.graphs.counters()
+        result["attention"] = gpu.backend.attention_residency.counters(operator=True)
         cpu = load_model(open_gguf(path, env.cache_dir), CpuBackend())
         result["vs_cpu"] = _compare(gpu, cpu, np.arange(100, 132, dtype=np.int32), 4)
         return result
@@ -404,6 +405,7 @@ def inner_measure(args: argparse.Namespace) -> dict:
         result = {"layers": layers, "experts": experts, "bytes": path.stat().st_size,
                   **_speed(gpu, np.random.default_rng(1).integers(100, 1000, 256).astype(np.int32), steps // 2)}
         result["graphs"] = gpu.backend.graphs.counters()
+        result["attention"] = gpu.backend.attention_residency.counters(operator=True)
         cpu = load_model(open_gguf(path, env.cache_dir), CpuBackend())
         result["vs_cpu"] = _compare(gpu, cpu, np.arange(100, 116, dtype=np.int32), 2)
         return result

@@ -61,13 +61,11 @@ def residency(instance: ModelInstance, *, operator: bool = False) -> dict[str, A
         summary = graphs.counters() if operator else graphs.summary()
         if summary is not None:
             out["graphs"] = summary
-    if instance.on_accelerator and instance.scheduler.steps_run > 0:
-        state = instance.scheduler.state
-        n = sum(1 for k in getattr(state, "k", []) if k is not None)
-        attention: dict[str, Any] = {"ondie": n, "host": 0, "total": n}  # this backend never falls back
-        if operator:
-            attention.update(gave_up=0, impossible=0, host_engagements=0, ring_alloc_failures=0)
-        out["attention"] = attention
+    attention = getattr(instance.backend, "attention_residency", None)
+    if instance.on_accelerator and attention is not None:
+        counters = attention.counters(operator)
+        if counters is not None:  # omitted until the forward has reached an attention layer
+            out["attention"] = counters
     return out
 
 

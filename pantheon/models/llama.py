@@ -256,6 +256,9 @@ class LlamaModel:
         wakes while this thread computes without the GIL instead of while it still needs it."""
         c, be = self.config, self.backend
         be.begin_step()
+        heal_rings = getattr(be, "heal_rings", None)  # cuda: KV rings in host memory retry the die
+        if heal_rings is not None:
+            heal_rings(state.k, state.v)
         for row in batch:
             if row.start_pos + len(row.tokens) > state.ctx_cap:
                 raise ValueError(f"slot {row.slot}: {row.start_pos}+{len(row.tokens)} tokens exceed ctx {state.ctx_cap}")

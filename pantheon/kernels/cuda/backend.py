@@ -7,12 +7,18 @@ All work is queued on one stream per backend; `to_host` is the only synchronisat
 Host arrays are accepted wherever the protocol takes ids or positions: they are checked on the host (a bad
 slot, position or token id raises as on the cpu backend) and uploaded. Device arrays cannot be checked without
 a sync, so the kernels skip (kv_write) or NaN-fill (embed, decode attention) what falls outside.
+
+KV rings (`kv_pool`) are charged to the die. A ring that does not fit (device out of memory, or the die's
+budget spent) is made in host memory instead: that layer's cache writes and attention then run on the host
+(the cpu backend's float32 kernels, the same tokens), `heal_rings` retries the device allocation on a bounded
+backoff, and `attention_residency` reports it all (see residency.py).
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,12 +27,14 @@ import numpy as np
 from pantheon.errors import ModelLoadError
 from pantheon.io.gguf_file import GGUFFile
 from pantheon.kernels.backend import checked_row_run
+from pantheon.kernels.cpu import ops as host_ops
 from pantheon.kernels.cpu.moe import ExpertWeights, stacked_experts
 from pantheon.kernels.cuda import moe, ops, quant, ssm
 from pantheon.kernels.cuda.dies import DieBudgetExceeded, DieManager
 from pantheon.kernels.cuda.graphs import CaptureLayer, GraphResidency, default_capture_layer
 from pantheon.kernels.cuda.launch import GEOMETRY, SIMULATOR, Geometry, cuda
 from pantheon.kernels.cuda.quant import CudaWeight
+from pantheon.kernels.cuda.residency import AttentionResidency
 
 F32 = 0
 
@@ -72,6 +80,7 @@ class CudaBackend:
         self._attention_lock = threading.Lock()
         self.weight_bytes = 0
         self.graphs = GraphResidency(capture if capture is not None else default_capture_layer())
+        self.attention_residency = AttentionResidency()
 
     # -- weights and memory --------------------------------------------------------------------------------
     def weight(self, gguf: GGUFFile, name: str) -> CudaWeight:
@@ -162,7 +171,64 @@ class CudaBackend:
         return ops.fill(self.empty(shape, dtype), 0, self.stream, self.geometry)
 
     def kv_pool(self, n_slots: int, ctx_cap: int, n_kv_heads: int, head_dim: int, dtype: Any) -> Any:
-        return self.zeros((n_slots, ctx_cap, n_kv_heads, head_dim), dtype)
+        """A layer's K or V ring on the die, or in host memory when it cannot be allocated there."""
+        shape = (n_slots, ctx_cap, n_kv_heads, head_dim)
+        try:
+            return self._device_ring(shape, dtype)
+        except MemoryError:
+            host = np.zeros(shape, np.dtype(dtype))
+            self.attention_residency.ring_failed(host)
+            return host
+
+    def _device_ring(self, shape: tuple[int, ...], dtype: Any) -> Any:
+        """A zeroed device ring charged to the die (released when the ring is garbage); MemoryError when the
+        die's budget or its memory does not have it."""
+        nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        if self.die_manager is not None:
+            try:
+                self.die_manager.charge(self.die, self.owner, nbytes)
+            except DieBudgetExceeded as exc:
+                raise MemoryError(f"KV ring: {exc}") from None
+        try:
+            ring = self.zeros(shape, dtype)
+        except MemoryError:
+            self._release_ring(nbytes)
+            raise
+        weakref.finalize(ring, self._release_ring, nbytes)
+        return ring
+
+    def _release_ring(self, nbytes: int) -> None:
+        if self.die_manager is not None:
+            self.die_manager.release(self.die, self.owner, nbytes)
+
+    def heal_rings(self, k_pools: list[Any], v_pools: list[Any]) -> None:
+        """At the start of a forward pass: a layer with a ring in host memory gets both rings there (its
+        attention needs them in one place), and once its retry is due, both back on the die with their
+        contents, if they fit now."""
+        residency = self.attention_residency
+        for li, (k, v) in enumerate(zip(k_pools, v_pools)):
+            k_host, v_host = isinstance(k, np.ndarray), isinstance(v, np.ndarray)
+            if k is None or not (k_host or v_host):
+                continue
+            if not k_host:
+                k_pools[li] = k = self.to_host(k)
+                residency.host_ring(k)
+            if not v_host:
+                v_pools[li] = v = self.to_host(v)
+                residency.host_ring(v)
+            if not residency.due_for_retry(k):
+                continue
+            try:
+                k_dev = self._device_ring(k.shape, k.dtype)
+                v_dev = self._device_ring(v.shape, v.dtype)
+            except MemoryError:
+                residency.retry_failed(k)
+                continue
+            k_dev.copy_to_device(k, stream=self.stream)
+            v_dev.copy_to_device(v, stream=self.stream)
+            k_pools[li], v_pools[li] = k_dev, v_dev
+            residency.moved_to_die(k, k_dev)
+            residency.forget_host_ring(v)
 
     def empty(self, shape: tuple[int, ...], dtype: Any = np.float32) -> Any:
         with _out_of_memory_is_memory_error(f"array {tuple(shape)}"):
@@ -170,7 +236,9 @@ class CudaBackend:
 
     def copy_kv_rows(self, pool: Any, src: int, dst: int, n: int) -> None:
         """pool[dst, :n] = pool[src, :n], device to device (both runs are contiguous: (S, ctx, H, hd) pools)."""
-        if n > 0:
+        if n > 0 and isinstance(pool, np.ndarray):
+            pool[dst, :n] = pool[src, :n]
+        elif n > 0:
             pool[dst, :n].copy_to_device(pool[src, :n], stream=self.stream)
 
     def upload(self, host: np.ndarray) -> Any:
@@ -233,6 +301,10 @@ class CudaBackend:
         return ops.swiglu(gate, up, out, self.stream, self.geometry)
 
     def kv_write(self, pool: Any, slots: Any, positions: Any, values: Any) -> None:
+        if isinstance(pool, np.ndarray):  # a host ring
+            host_ops.kv_write(pool, self._host_ints(slots), self._host_ints(positions),
+                              np.ascontiguousarray(self.to_host(values), dtype=np.float32))
+            return
         if isinstance(slots, np.ndarray):
             slots = self._checked(slots, 0, pool.shape[0], "slot")
         if isinstance(positions, np.ndarray):
@@ -241,12 +313,23 @@ class CudaBackend:
 
     def attention(self, q: Any, k_pool: Any, v_pool: Any, slot: int, start_pos: int, scale: float,
                   out: Any = None) -> Any:
+        on_host = isinstance(k_pool, np.ndarray)
+        self.attention_residency.reached(k_pool, on_host)
+        if on_host:
+            host = host_ops.attention(self._host_f32(q), k_pool[slot], v_pool[slot], int(start_pos), scale)
+            return self._device_result(host, out)
         with self._attention_lock:
             return ops.attention(q, k_pool, v_pool, int(slot), int(start_pos), scale, out, self._scratch,
                                  self._dummy_ids, self.stream, self.geometry)
 
     def attention_decode_batch(self, q: Any, k_pool: Any, v_pool: Any, positions: Any, scale: float,
                                out: Any = None, *, slot_ids: Any) -> Any:
+        on_host = isinstance(k_pool, np.ndarray)
+        self.attention_residency.reached(k_pool, on_host)
+        if on_host:
+            host = host_ops.attention_decode_batch(self._host_f32(q), k_pool, v_pool, self._host_ints(positions),
+                                                   scale, slot_ids=self._host_ints(slot_ids))
+            return self._device_result(host, out)
         if isinstance(slot_ids, np.ndarray):
             slot_ids = self._checked(slot_ids, 0, k_pool.shape[0], "slot id", ValueError)
         if isinstance(positions, np.ndarray):
@@ -291,6 +374,18 @@ class CudaBackend:
         return moe.moe_ffn(x, gate, up, down, ids, self._device(weights), out, ids_host, self.stream, self.geometry)
 
     # -- helpers -------------------------------------------------------------------------------------------
+    def _host_ints(self, values: Any) -> np.ndarray:
+        return np.ascontiguousarray(self.to_host(values)).astype(np.int32)
+
+    def _host_f32(self, array: Any) -> np.ndarray:
+        return np.ascontiguousarray(self.to_host(array), dtype=np.float32)
+
+    def _device_result(self, host: np.ndarray, out: Any) -> Any:
+        if out is None:
+            return self.upload(host)
+        out.copy_to_device(np.ascontiguousarray(host, dtype=np.float32), stream=self.stream)
+        return out
+
     def _device(self, array: Any) -> Any:
         return self.upload(array) if isinstance(array, np.ndarray) else array
 
