@@ -23,8 +23,11 @@ _PACKAGE = Path(__file__).resolve().parent
 
 def jit_sources(package: Path = _PACKAGE) -> list[Path]:
     """The package's modules that mention numba: every module with cached functions, and those they inline
-    (an edit elsewhere, say to the HTTP layer, keeps the compiled kernels)."""
-    return [path for path in sorted(package.rglob("*.py")) if b"numba" in path.read_bytes()]
+    (an edit elsewhere, say to the HTTP layer, keeps the compiled kernels). The cuda kernels are left out:
+    nothing of theirs is cached on disk, and no cpu kernel inlines them."""
+    cuda = package / "kernels" / "cuda"
+    return [path for path in sorted(package.rglob("*.py"))
+            if cuda not in path.parents and b"numba" in path.read_bytes()]
 
 
 def fingerprint(package: Path = _PACKAGE) -> str:

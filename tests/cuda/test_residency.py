@@ -117,3 +117,30 @@ def test_rings_that_do_not_fit_run_on_the_host_with_the_same_logits(tmp_path: Pa
     counters = backend.attention_residency.counters(operator=True)
     assert counters["ondie"] == 2 and counters["host"] == 0 and "reasons" not in counters
     assert dies.used(0) > 4 * ring  # the weights and all four rings are charged to the die
+
+
+@pytest.mark.cuda_kernels
+def test_a_head_dim_the_die_kernels_do_not_take_attends_on_the_host() -> None:
+    from pantheon.kernels.cpu import ops as host_ops
+    from pantheon.kernels.cuda.backend import CudaBackend
+    from pantheon.kernels.cuda.launch import MAX_HEAD_DIM
+    from pantheon.kernels.cuda.residency import NO_FLASH_KERNELS
+
+    backend = CudaBackend()
+    hd = MAX_HEAD_DIM + 64
+    k, v = (backend.kv_pool(2, 8, 1, hd, np.float32) for _ in range(2))
+    assert isinstance(k, np.ndarray) and isinstance(v, np.ndarray)
+    backend.heal_rings([k], [v])  # never retried onto the die
+    rng = np.random.default_rng(0)
+    values = rng.standard_normal((2, 1, hd)).astype(np.float32)
+    slots, positions = np.array([1, 1], np.int32), np.array([0, 1], np.int32)
+    backend.kv_write(k, slots, positions, backend.upload(values))
+    backend.kv_write(v, slots, positions, backend.upload(values[::-1].copy()))
+    q = rng.standard_normal((1, 2, hd)).astype(np.float32)
+    got = backend.to_host(backend.attention_decode_batch(backend.upload(q), k, v, np.array([1], np.int32), 0.1,
+                                                         slot_ids=np.array([1], np.int32)))
+    want = host_ops.attention_decode_batch(q, k, v, np.array([1], np.int32), 0.1, slot_ids=np.array([1], np.int32))
+    np.testing.assert_array_equal(got, want)
+    assert backend.attention_residency.counters(operator=True) == {
+        "ondie": 0, "host": 1, "total": 1, "gave_up": 0, "impossible": 1, "host_engagements": 1,
+        "ring_alloc_failures": 0, "reasons": {NO_FLASH_KERNELS: 1}}

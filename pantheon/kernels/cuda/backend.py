@@ -32,7 +32,7 @@ from pantheon.kernels.cpu.moe import ExpertWeights, stacked_experts
 from pantheon.kernels.cuda import moe, ops, quant, ssm
 from pantheon.kernels.cuda.dies import DieBudgetExceeded, DieManager
 from pantheon.kernels.cuda.graphs import CaptureLayer, GraphResidency, default_capture_layer
-from pantheon.kernels.cuda.launch import GEOMETRY, SIMULATOR, Geometry, cuda
+from pantheon.kernels.cuda.launch import GEOMETRY, MAX_HEAD_DIM, SIMULATOR, Geometry, cuda
 from pantheon.kernels.cuda.quant import CudaWeight
 from pantheon.kernels.cuda.residency import AttentionResidency
 
@@ -173,6 +173,10 @@ class CudaBackend:
     def kv_pool(self, n_slots: int, ctx_cap: int, n_kv_heads: int, head_dim: int, dtype: Any) -> Any:
         """A layer's K or V ring on the die, or in host memory when it cannot be allocated there."""
         shape = (n_slots, ctx_cap, n_kv_heads, head_dim)
+        if head_dim > MAX_HEAD_DIM:
+            host = np.zeros(shape, np.dtype(dtype))
+            self.attention_residency.impossible_ring(host)
+            return host
         try:
             return self._device_ring(shape, dtype)
         except MemoryError:

@@ -1,8 +1,8 @@
 """Attention residency: which full-attention layers run on the die and which fell back to host softmax.
 
 A layer runs on the die when its KV ring (the layer's K and V pools for every slot) lives in device memory.
-When a ring cannot be allocated there (device out of memory, or the die's budget spent), the backend keeps it
-in host memory instead and that layer's attention runs on the host, with the same arithmetic in float32, so
+When a ring cannot be allocated there (device out of memory, or the die's budget spent), or the die's attention
+kernels do not take the layer's head dim (`impossible`, never retried), the backend keeps it in host memory instead and that layer's attention runs on the host, with the same arithmetic in float32, so
 the tokens are the same and only speed is lost. The spec's `attention` object is the one place that says so.
 
 A host ring is retried on a bounded backoff (at the start of a forward pass, `CudaBackend.heal_rings`): when
@@ -21,8 +21,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-# The spec's reason names for a layer that is off the die (only the first can happen on this backend).
+# The spec's reason names for a layer that is off the die (these two can happen on this backend).
 RING_ALLOC_FAILED = "ring_alloc_failed"
+NO_FLASH_KERNELS = "no_flash_kernels"  # the die's attention kernels do not take the layer's head dim
 
 
 @dataclass
@@ -50,6 +51,7 @@ class AttentionResidency:
     host_engagements: int = 0  # lifetime: times a layer started running its attention on the host
     _layers: dict[int, _Layer] = field(default_factory=dict)
     _host_rings: dict[int, float] = field(default_factory=dict)  # id(host pool) -> first retry time
+    _impossible: set[int] = field(default_factory=set)  # id(host pool) of rings no retry can move
 
     # -- events from the backend ---------------------------------------------------------------------------
     def ring_failed(self, host_pool: Any) -> None:
@@ -61,6 +63,10 @@ class AttentionResidency:
         """A ring in host memory (failed, or moved there to join its layer's other ring): retried after the
         backoff."""
         self._host_rings[id(host_pool)] = self.clock() + self.retry.backoff_s
+
+    def impossible_ring(self, host_pool: Any) -> None:
+        """A ring kept in host memory because the die's kernels cannot run its layer: never retried."""
+        self._impossible.add(id(host_pool))
 
     def forget_host_ring(self, host_pool: Any) -> None:
         self._host_rings.pop(id(host_pool), None)
@@ -74,14 +80,16 @@ class AttentionResidency:
                 self.host_engagements += 1
             layer.on_host = on_host
             return
-        self._layers[key] = _Layer(weakref.ref(k_pool), on_host, RING_ALLOC_FAILED if on_host else "")
+        impossible = key in self._impossible
+        self._layers[key] = _Layer(weakref.ref(k_pool), on_host, NO_FLASH_KERNELS if impossible else
+                                   RING_ALLOC_FAILED if on_host else "", gave_up=impossible)
         if on_host:
             self.host_engagements += 1
 
     def due_for_retry(self, host_pool: Any) -> bool:
         key = id(host_pool)
         layer = self._layers.get(key)
-        if layer is not None and layer.gave_up:
+        if key in self._impossible or (layer is not None and layer.gave_up):
             return False
         return self.clock() >= self._host_rings.get(key, 0.0)
 
@@ -113,7 +121,8 @@ class AttentionResidency:
         host = [layer for layer in live.values() if layer.on_host]
         out: dict[str, Any] = {"ondie": len(live) - len(host), "host": len(host), "total": len(live)}
         if operator:
-            out.update(gave_up=sum(1 for layer in host if layer.gave_up), impossible=0,
+            impossible = sum(1 for layer in host if layer.reason == NO_FLASH_KERNELS)
+            out.update(gave_up=sum(1 for layer in host if layer.gave_up) - impossible, impossible=impossible,
                        host_engagements=self.host_engagements, ring_alloc_failures=self.ring_alloc_failures)
             if host:
                 reasons: dict[str, int] = {}
@@ -123,4 +132,4 @@ class AttentionResidency:
         return out
 
 
-__all__ = ["RING_ALLOC_FAILED", "AttentionResidency", "RingRetry"]
+__all__ = ["NO_FLASH_KERNELS", "RING_ALLOC_FAILED", "AttentionResidency", "RingRetry"]
