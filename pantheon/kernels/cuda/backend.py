@@ -198,7 +198,10 @@ class CudaBackend:
         except MemoryError:
             self._release_ring(nbytes)
             raise
-        weakref.finalize(ring, self._release_ring, nbytes)
+        try:
+            weakref.finalize(ring, self._release_ring, nbytes)
+        except TypeError:  # an array type without weak references: the charge stays until the model unloads
+            self.weight_bytes += nbytes
         return ring
 
     def _release_ring(self, nbytes: int) -> None:
