@@ -530,6 +530,11 @@ def test_export_errors(server: ServerProcess, end_ids: dict[str, int]) -> None:
         time.sleep(0.2)
     exported(server, sid)
     release(server, {"session_id": sid})
+    # The same during a session's first turn (it has no tokens yet, but it is not unknown).
+    s = Streamer(server, {**endless(end_ids, 4000), "session_id": sid + "-first"}).start()
+    with streams(s):
+        s.wait_token()
+        assert_error(export(server, sid + "-first"), 429, "session_busy")
 
 
 # -- estimate ------------------------------------------------------------------------------------------------

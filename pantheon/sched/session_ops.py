@@ -31,11 +31,11 @@ def _bad_blob(message: str) -> ApiError:
 async def export_session(scheduler: Scheduler, session_id: str) -> ExportedSession:
     table = scheduler.sessions
     session = table.get(session_id)
-    if session is None or not any(s.tokens for s in session.slots):
-        raise ApiError(404, "session_not_found", f"no live session {session_id!r}")
-    if session.busy:
+    if session is not None and session.busy:  # its first turn too: the session exists once that one is done
         raise ApiError(429, "session_busy", f"a turn is in flight on session {session_id!r}; retry after it completes",
                        headers={"Retry-After": "1"})
+    if session is None or not any(s.tokens for s in session.slots):
+        raise ApiError(404, "session_not_found", f"no live session {session_id!r}")
     slot = max((s for s in session.slots if s.tokens), key=lambda s: s.last_used)
     tokens = list(slot.tokens)
     anchor = min(slot.anchor, len(tokens))
