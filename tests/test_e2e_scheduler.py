@@ -357,6 +357,29 @@ def test_sigterm_drains_in_flight_streams_and_exits_0(default_model_path: Path, 
         server.stop()
 
 
+def test_streams_still_running_at_the_drain_deadline_end_cleanly(default_model_path: Path, tmp_path: Path,
+                                                                 end_ids: dict[str, int]) -> None:
+    """At the deadline a running stream ends as a stop would (finish_reason "stop", usage, [DONE]), not cut off
+    mid-stream; a queued turn gets 503 server_shutting_down; the server exits 0."""
+    server = start_server(default_model_path, tmp_path, "--max-concurrent", "1", "--drain-timeout", "1")
+    try:
+        body = {**endless(end_ids, 8000), "stream_options": {"include_usage": True}}
+        running = Streamer(server, body).start()
+        with streams(running):
+            running.wait_token()
+            queued = Streamer(server, {**body, "seed": 3}).start()
+            with streams(queued):
+                wait_queue_depth(server, 1)
+                server.signal(signal.SIGTERM)
+                res, refused = running.wait(60), queued.wait(60)
+        assert res.exception is None and res.done, res
+        assert res.finish_reason == "stop" and 0 < res.usage["completion_tokens"] < 8000, res
+        assert refused.status == 503 and b"server_shutting_down" in refused.body, refused
+        assert server.wait(60) == 0, server.log_tail()
+    finally:
+        server.stop()
+
+
 def test_second_signal_exits_at_once(default_model_path: Path, tmp_path: Path, end_ids: dict[str, int]) -> None:
     server = start_server(default_model_path, tmp_path)
     try:

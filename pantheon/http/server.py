@@ -28,6 +28,8 @@ from pantheon.sched.memory import MemoryReading, MemoryWatch, read_meminfo
 
 log = logging.getLogger("pantheon")
 
+DEADLINE_FLUSH_S = 5.0  # after the drain deadline: how long ended turns get to send their last chunks
+
 
 def make_backend(options: ServeOptions) -> Any:
     from pantheon.kernels.cpu.backend import CpuBackend
@@ -100,6 +102,15 @@ async def _drain(state: ServerState, options: ServeOptions, shutdown: trio.Event
     with trio.move_on_after(options.drain_timeout_s):
         while not _idle(state.registry):
             await trio.sleep(0.05)
+    if not _idle(state.registry):
+        # The deadline: end what still runs as a stop would, and give the streams a moment to send their
+        # closing chunks before the HTTP server stops.
+        log.warning("drain deadline: ending the turns still running")
+        for instance in state.registry.instances:
+            instance.scheduler.end_turns_now()
+        with trio.move_on_after(DEADLINE_FLUSH_S):
+            while not _idle(state.registry):
+                await trio.sleep(0.05)
     if options.session_dir is not None:
         for instance in state.registry.instances:
             try:

@@ -220,6 +220,19 @@ class Scheduler:
         self.poke()
         return receive
 
+    def end_turns_now(self) -> None:
+        """The shutdown drain's deadline: each running turn ends at its next step as a stop string would end
+        it (finish_reason "stop", its usage, a stream's closing chunk), and each queued one is refused with 503
+        server_shutting_down, so no client is cut off mid-stream."""
+        for active in self._active:
+            active.job.cancel()
+        while self._waiting:
+            waiting = self._waiting.popleft()
+            self._send(waiting.events, ErrorEvent(ApiError(503, "server_shutting_down", "server is shutting down",
+                                                           headers={"Retry-After": "1"})))
+            waiting.events.close()
+        self.poke()
+
     def poke(self) -> None:
         """Wake the loop: something a waiting job may need (a job, a slot, a cancellation) changed."""
         self._wakeup.set()
