@@ -244,6 +244,9 @@ def test_legacy_path_serves_one_at_a_time(default_model_path: Path, tmp_path: Pa
                 and time.monotonic() < deadline:
             time.sleep(0.2)
         assert r.status_code == 200, r.text
+        # n above the cap where one slot serves: one choice, and the status says the slots were why.
+        body = post(server, {**greedy(PROMPTS[0], 2), "n": 12}, timeout=60).json()
+        assert len(body["choices"]) == 1 and body["n_status"] == "partial_slot_unavailable", body
     finally:
         server.stop()
 

@@ -117,7 +117,8 @@ async def start_completion(instance: ModelInstance, request: ChatRequest, env: E
         except ApiError as exc:
             if i == 0:
                 raise _context_error(exc, request) if exc.error_type == "context_over_budget" else exc
-            completion.n_status = completion.n_status or "partial_slot_unavailable"
+            # Fewer than the 8 a cap would leave: the slots are the reason the client must hear.
+            completion.n_status = "partial_slot_unavailable"
             break
         completion.jobs.append(job)
         completion.channels.append(channel)
