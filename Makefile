@@ -5,6 +5,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
+BENCH_STAMP := $(VENV)/.bench-stamp
 PORT   ?= 8080
 PYTEST_ARGS ?=
 
@@ -27,7 +28,13 @@ serve: model
 test: model
 	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
 
-bench: model
+# The bench extra: llama-cpp-python, the side-by-side reference (built from source: a few minutes, needs a C++
+# compiler and cmake).
+$(BENCH_STAMP): $(STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[bench]'
+	touch $(BENCH_STAMP)
+
+bench: model $(BENCH_STAMP)
 	$(BIN)/python bench/decode.py
 
 clean:

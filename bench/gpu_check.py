@@ -382,15 +382,15 @@ def inner_measure(args: argparse.Namespace) -> dict:
     env = read_env()
     steps = 16 if args.quick else 64
 
-    def llama() -> dict:
-        path = _llama_path(args)
+    def timed_and_checked(path: Path, n_prompt: int, n_steps: int, n_compare: int, n_decode: int) -> dict:
+        """A model on CudaBackend: speed, residency, then its logits against the cpu backend's."""
         gpu = load_model(open_gguf(path, env.cache_dir), CudaBackend())
-        result = {"model": path.name, **_speed(gpu, np.random.default_rng(0).integers(100, 1000, 512).astype(np.int32),
-                                               steps)}
-        result["graphs"] = gpu.backend.graphs.counters()
-        result["attention"] = gpu.backend.attention_residency.counters(operator=True)
+        prompt = np.random.default_rng(n_prompt).integers(100, 1000, n_prompt).astype(np.int32)
+        result = {"model": path.name, "bytes": path.stat().st_size, **_speed(gpu, prompt, n_steps),
+                  "graphs": gpu.backend.graphs.counters(),
+                  "attention": gpu.backend.attention_residency.counters(operator=True)}
         cpu = load_model(open_gguf(path, env.cache_dir), CpuBackend())
-        result["vs_cpu"] = _compare(gpu, cpu, np.arange(100, 132, dtype=np.int32), 4)
+        result["vs_cpu"] = _compare(gpu, cpu, np.arange(100, 100 + n_compare, dtype=np.int32), n_decode)
         return result
 
     def hybrid() -> dict:
@@ -401,16 +401,9 @@ def inner_measure(args: argparse.Namespace) -> dict:
         layers, experts = 4, 256
         if not path.exists():
             write_model(path, layers, experts)
-        gpu = load_model(open_gguf(path, env.cache_dir), CudaBackend())
-        result = {"layers": layers, "experts": experts, "bytes": path.stat().st_size,
-                  **_speed(gpu, np.random.default_rng(1).integers(100, 1000, 256).astype(np.int32), steps // 2)}
-        result["graphs"] = gpu.backend.graphs.counters()
-        result["attention"] = gpu.backend.attention_residency.counters(operator=True)
-        cpu = load_model(open_gguf(path, env.cache_dir), CpuBackend())
-        result["vs_cpu"] = _compare(gpu, cpu, np.arange(100, 116, dtype=np.int32), 2)
-        return result
+        return {"layers": layers, "experts": experts, **timed_and_checked(path, 256, steps // 2, 16, 2)}
 
-    part("llama", llama)
+    part("llama", lambda: timed_and_checked(_llama_path(args), 512, steps, 32, 4))
     part("hybrid", hybrid)
     return report
 

@@ -37,6 +37,11 @@ class ApiError(Exception):
         return f"ApiError({self.status}, {self.error_type!r}, {self.message!r})"
 
 
+def shutting_down() -> ApiError:
+    """503 server_shutting_down: the server drains for shutdown (new work refused, queued work at the deadline)."""
+    return ApiError(503, "server_shutting_down", "server is shutting down", headers={"Retry-After": "1"})
+
+
 def invalid_request(message: str) -> ApiError:
     return ApiError(400, "invalid_request_error", message)
 

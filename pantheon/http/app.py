@@ -19,7 +19,7 @@ from pantheon.chat import completion as chat_completion
 from pantheon.chat.request import ChatRequest, parse_chat_request
 from pantheon.chat.structure import required_with_thinking
 from pantheon.config import EnvKnobs
-from pantheon.errors import ApiError
+from pantheon.errors import ApiError, shutting_down
 from pantheon.http import admin_routes, fastsend, session_routes
 from pantheon.http.admin_routes import residency
 from pantheon.metrics import Metrics, standard_metrics
@@ -216,7 +216,7 @@ class App:
 
     async def load_model(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         if self.state.draining:  # a model loaded now would be unloaded again at once, after seconds of work
-            raise ApiError(503, "server_shutting_down", "server is shutting down", headers={"Retry-After": "1"})
+            raise shutting_down()
         await admin_routes.load(self.state.manager, scope, receive, send)
 
     async def chat_completions(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
@@ -228,7 +228,7 @@ class App:
 
         request = parse() if len(raw) < PARSE_OFF_LOOP_BYTES else await trio.to_thread.run_sync(parse)
         if self.state.draining:
-            raise ApiError(503, "server_shutting_down", "server is shutting down", headers={"Retry-After": "1"})
+            raise shutting_down()
         instance = self.state.registry.route_session(request.model, request.session_id)
         completion = await chat_completion.start_completion(instance, request, self.state.env)
         try:

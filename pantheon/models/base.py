@@ -44,6 +44,15 @@ class ArchMetadata:
         return int(self.meta.get(f"{self.arch}.vocab_size") or len(self.meta.get("tokenizer.ggml.tokens", [])))
 
 
+def begin_forward(backend: Any, k_pools: list[Any], v_pools: list[Any]) -> None:
+    """What every forward pass does first: the backend's per-step set-up (the die current on this thread), and
+    on the cuda backend the retry of KV rings that had to live in host memory."""
+    backend.begin_step()
+    heal_rings = getattr(backend, "heal_rings", None)
+    if heal_rings is not None:
+        heal_rings(k_pools, v_pools)
+
+
 def output_logits(backend: Any, output: Any, h: Any, batch: list[BatchRow], offsets: Any, vocab_size: int) -> np.ndarray:
     """The logits of the positions the batch asks for. `h` holds the final-normed hidden state of every
     token of the step (rows in batch order, `offsets` the row boundaries); only the wanted rows go through

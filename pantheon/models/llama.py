@@ -16,7 +16,7 @@ import numpy as np
 
 from pantheon.errors import ModelLoadError
 from pantheon.io.gguf_file import GGUFFile
-from pantheon.models.base import ArchMetadata, BatchRow, output_logits
+from pantheon.models.base import ArchMetadata, BatchRow, begin_forward, output_logits
 
 
 @dataclass(frozen=True)
@@ -255,10 +255,7 @@ class LlamaModel:
         scheduler hands the previous decode step's tokens to the event loop between the two, so that the loop
         wakes while this thread computes without the GIL instead of while it still needs it."""
         c, be = self.config, self.backend
-        be.begin_step()
-        heal_rings = getattr(be, "heal_rings", None)  # cuda: KV rings in host memory retry the die
-        if heal_rings is not None:
-            heal_rings(state.k, state.v)
+        begin_forward(be, state.k, state.v)
         for row in batch:
             if row.start_pos + len(row.tokens) > state.ctx_cap:
                 raise ValueError(f"slot {row.slot}: {row.start_pos}+{len(row.tokens)} tokens exceed ctx {state.ctx_cap}")

@@ -35,7 +35,7 @@ import numpy as np
 
 from pantheon.errors import ModelLoadError
 from pantheon.io.gguf_file import GGUFFile
-from pantheon.models.base import ArchMetadata, BatchRow, output_logits
+from pantheon.models.base import ArchMetadata, BatchRow, begin_forward, output_logits
 
 ARCHITECTURES = ("qwen35", "qwen35moe", "qwen3next")
 
@@ -513,10 +513,7 @@ class Qwen35Model:
         """One step: a prefill chunk of one sequence, or one decode token for each of several sequences (rows
         of any mix work; DeltaNet rows of more than one token use the chunked delta rule)."""
         c, be = self.config, self.backend
-        be.begin_step()
-        heal_rings = getattr(be, "heal_rings", None)  # cuda: KV rings in host memory retry the die
-        if heal_rings is not None:
-            heal_rings(state.k, state.v)
+        begin_forward(be, state.k, state.v)
         for row in batch:
             if row.start_pos + len(row.tokens) > state.ctx_cap:
                 raise ValueError(f"slot {row.slot}: {row.start_pos}+{len(row.tokens)} tokens exceed ctx "

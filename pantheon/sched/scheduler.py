@@ -37,7 +37,7 @@ from pantheon.engine.loader import LoadedModel
 from pantheon.engine.repetition import RepetitionDetector
 from pantheon.engine.sampling import SampledToken, Sampler, sample_rows
 from pantheon.engine.sessions import SessionTable, SlotInfo
-from pantheon.errors import ApiError
+from pantheon.errors import ApiError, shutting_down
 from pantheon.metrics import Metrics
 from pantheon.models.base import BatchRow
 from pantheon.sched.forward_thread import ForwardThread
@@ -227,11 +227,13 @@ class Scheduler:
         for active in self._active:
             active.job.cancel()
         while self._waiting:
-            waiting = self._waiting.popleft()
-            self._send(waiting.events, ErrorEvent(ApiError(503, "server_shutting_down", "server is shutting down",
-                                                           headers={"Retry-After": "1"})))
-            waiting.events.close()
+            self._refuse(self._waiting.popleft(), shutting_down())
         self.poke()
+
+    def _refuse(self, waiting: Waiting, error: ApiError) -> None:
+        """A queued turn ends with `error` before it ran."""
+        self._send(waiting.events, ErrorEvent(error))
+        waiting.events.close()
 
     def poke(self) -> None:
         """Wake the loop: something a waiting job may need (a job, a slot, a cancellation) changed."""
@@ -385,10 +387,9 @@ class Scheduler:
             if waiting.job.cancelled:
                 waiting.events.close()
             elif now - waiting.enqueued_at > QUEUE_TIMEOUT_S:
-                self._send(waiting.events, ErrorEvent(ApiError(
+                self._refuse(waiting, ApiError(
                     429, "server_busy", f"waited {QUEUE_TIMEOUT_S:.0f} s in the queue without a free slot",
-                    headers={"Retry-After": str(self.retry_after_s())})))
-                waiting.events.close()
+                    headers={"Retry-After": str(self.retry_after_s())}))
             else:
                 kept.append(waiting)
         self._waiting = kept

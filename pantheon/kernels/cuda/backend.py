@@ -173,16 +173,16 @@ class CudaBackend:
     def kv_pool(self, n_slots: int, ctx_cap: int, n_kv_heads: int, head_dim: int, dtype: Any) -> Any:
         """A layer's K or V ring on the die, or in host memory when it cannot be allocated there."""
         shape = (n_slots, ctx_cap, n_kv_heads, head_dim)
-        if head_dim > MAX_HEAD_DIM:
-            host = np.zeros(shape, np.dtype(dtype))
-            self.attention_residency.impossible_ring(host)
-            return host
-        try:
-            return self._device_ring(shape, dtype)
-        except MemoryError:
-            host = np.zeros(shape, np.dtype(dtype))
-            self.attention_residency.ring_failed(host)
-            return host
+        if head_dim <= MAX_HEAD_DIM:
+            try:
+                return self._device_ring(shape, dtype)
+            except MemoryError:
+                placed = self.attention_residency.ring_failed
+        else:
+            placed = self.attention_residency.impossible_ring
+        host = np.zeros(shape, np.dtype(dtype))
+        placed(host)
+        return host
 
     def _device_ring(self, shape: tuple[int, ...], dtype: Any) -> Any:
         """A zeroed device ring charged to the die (released when the ring is garbage); MemoryError when the
@@ -213,6 +213,8 @@ class CudaBackend:
         attention needs them in one place), and once its retry is due, both back on the die with their
         contents, if they fit now."""
         residency = self.attention_residency
+        if not residency.any_host_rings:  # every ring is on the die (each forward asks: keep it one test)
+            return
         for li, (k, v) in enumerate(zip(k_pools, v_pools)):
             k_host, v_host = isinstance(k, np.ndarray), isinstance(v, np.ndarray)
             if k is None or not (k_host or v_host):

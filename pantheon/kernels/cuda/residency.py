@@ -34,13 +34,10 @@ class RingRetry:
 
 
 @dataclass
-class _Layer:
-    pool: weakref.ref  # the layer's K pool, to forget layers whose state was released
-    on_host: bool
-    reason: str = ""
-    attempts: int = 0
-    retry_at: float = 0.0
-    gave_up: bool = False
+class _HostRing:
+    retry_at: float  # clock time of the next device allocation to try
+    attempts: int = 0  # failed retries
+    impossible: bool = False  # the die's kernels cannot run its layer: never retried
 
 
 @dataclass
@@ -49,9 +46,9 @@ class AttentionResidency:
     clock: Callable[[], float] = time.monotonic
     ring_alloc_failures: int = 0  # lifetime: device allocations of a ring that failed (first tries and retries)
     host_engagements: int = 0  # lifetime: times a layer started running its attention on the host
-    _layers: dict[int, _Layer] = field(default_factory=dict)
-    _host_rings: dict[int, float] = field(default_factory=dict)  # id(host pool) -> first retry time
-    _impossible: set[int] = field(default_factory=set)  # id(host pool) of rings no retry can move
+    # id(K pool) -> (the pool, to forget layers whose state was released; whether it attends on the host)
+    _layers: dict[int, tuple[weakref.ref, bool]] = field(default_factory=dict)
+    _host_rings: dict[int, _HostRing] = field(default_factory=dict)  # id(host pool) -> its retry state
 
     # -- events from the backend ---------------------------------------------------------------------------
     def ring_failed(self, host_pool: Any) -> None:
@@ -62,72 +59,66 @@ class AttentionResidency:
     def host_ring(self, host_pool: Any) -> None:
         """A ring in host memory (failed, or moved there to join its layer's other ring): retried after the
         backoff."""
-        self._host_rings[id(host_pool)] = self.clock() + self.retry.backoff_s
+        self._host_rings[id(host_pool)] = _HostRing(self.clock() + self.retry.backoff_s)
 
     def impossible_ring(self, host_pool: Any) -> None:
         """A ring kept in host memory because the die's kernels cannot run its layer: never retried."""
-        self._impossible.add(id(host_pool))
+        self._host_rings[id(host_pool)] = _HostRing(float("inf"), impossible=True)
 
     def forget_host_ring(self, host_pool: Any) -> None:
         self._host_rings.pop(id(host_pool), None)
 
+    @property
+    def any_host_rings(self) -> bool:
+        return bool(self._host_rings)
+
     def reached(self, k_pool: Any, on_host: bool) -> None:
         """The forward ran a layer's attention (every call; cheap)."""
         key = id(k_pool)
-        layer = self._layers.get(key)
-        if layer is not None and layer.pool() is k_pool:
-            if on_host and not layer.on_host:
-                self.host_engagements += 1
-            layer.on_host = on_host
-            return
-        impossible = key in self._impossible
-        self._layers[key] = _Layer(weakref.ref(k_pool), on_host, NO_FLASH_KERNELS if impossible else
-                                   RING_ALLOC_FAILED if on_host else "", gave_up=impossible)
-        if on_host:
+        known = self._layers.get(key)
+        if known is None or known[0]() is not k_pool:
+            known = None
+        if on_host and (known is None or not known[1]):
             self.host_engagements += 1
+        if known is None or known[1] != on_host:
+            self._layers[key] = (weakref.ref(k_pool), on_host)
 
     def due_for_retry(self, host_pool: Any) -> bool:
-        key = id(host_pool)
-        layer = self._layers.get(key)
-        if key in self._impossible or (layer is not None and layer.gave_up):
-            return False
-        return self.clock() >= self._host_rings.get(key, 0.0)
+        ring = self._host_rings.get(id(host_pool))
+        return ring is None or (not self._gave_up(ring) and self.clock() >= ring.retry_at)
 
     def retry_failed(self, host_pool: Any) -> None:
-        key = id(host_pool)
         self.ring_alloc_failures += 1
-        layer = self._layers.get(key)
-        attempts = (layer.attempts if layer is not None else 0) + 1
-        if layer is not None:
-            layer.attempts = attempts
-            layer.gave_up = attempts >= self.retry.max_attempts
-        delay = min(self.retry.backoff_max_s, self.retry.backoff_s * 2 ** attempts)
-        self._host_rings[key] = self.clock() + delay
+        ring = self._host_rings.setdefault(id(host_pool), _HostRing(0.0))
+        ring.attempts += 1
+        ring.retry_at = self.clock() + min(self.retry.backoff_max_s, self.retry.backoff_s * 2 ** ring.attempts)
 
     def moved_to_die(self, host_pool: Any, device_pool: Any) -> None:
         """A host ring's retry succeeded: the layer is now named by its device pool and runs on the die."""
         self._host_rings.pop(id(host_pool), None)
-        layer = self._layers.pop(id(host_pool), None)
-        if layer is not None:
-            self._layers[id(device_pool)] = _Layer(weakref.ref(device_pool), False)
+        if self._layers.pop(id(host_pool), None) is not None:
+            self._layers[id(device_pool)] = (weakref.ref(device_pool), False)
+
+    def _gave_up(self, ring: _HostRing) -> bool:
+        return ring.impossible or ring.attempts >= self.retry.max_attempts
 
     # -- the spec's object ---------------------------------------------------------------------------------
     def counters(self, operator: bool = False) -> dict[str, Any] | None:
         """`attention` for /v1/models (operator=False) or /admin/models; None before any layer was reached."""
-        live = {k: layer for k, layer in self._layers.items() if layer.pool() is not None}
-        self._layers = live
-        if not live:
+        self._layers = {k: v for k, v in self._layers.items() if v[0]() is not None}
+        if not self._layers:
             return None
-        host = [layer for layer in live.values() if layer.on_host]
-        out: dict[str, Any] = {"ondie": len(live) - len(host), "host": len(host), "total": len(live)}
+        host = [self._host_rings.get(key, _HostRing(0.0)) for key, (_, on_host) in self._layers.items() if on_host]
+        out: dict[str, Any] = {"ondie": len(self._layers) - len(host), "host": len(host), "total": len(self._layers)}
         if operator:
-            impossible = sum(1 for layer in host if layer.reason == NO_FLASH_KERNELS)
-            out.update(gave_up=sum(1 for layer in host if layer.gave_up) - impossible, impossible=impossible,
+            impossible = sum(1 for ring in host if ring.impossible)
+            out.update(gave_up=sum(1 for ring in host if self._gave_up(ring)) - impossible, impossible=impossible,
                        host_engagements=self.host_engagements, ring_alloc_failures=self.ring_alloc_failures)
             if host:
                 reasons: dict[str, int] = {}
-                for layer in host:
-                    reasons[layer.reason] = reasons.get(layer.reason, 0) + 1
+                for ring in host:
+                    reason = NO_FLASH_KERNELS if ring.impossible else RING_ALLOC_FAILED
+                    reasons[reason] = reasons.get(reason, 0) + 1
                 out["reasons"] = reasons
         return out
 
