@@ -107,7 +107,8 @@ class Backend(Protocol):
     #                        sequence (distinct slots), in one launch: the attention output (B, Hq, hd);
     #   decode_plan(blocks, output_norm, head_dim, tok_embd, output) -> a plan or None, with kernel_pools(pools),
     #                        decode_layers(plan, ...) and decode_step(plan, ...): a llama decode step's layers
-    #                        (or the whole step, token ids to logits) in one call (cpu: kernels/cpu/decode_layers.py).
+    #                        (or the whole step, token ids to logits) in one call (cpu: kernels/cpu/decode_layers.py;
+    #                        cuda: kernels/cuda/decode_step.py, whole steps only, each layer a CUDA graph slot).
 
     def attention(self, q: Array, k_pool: Array, v_pool: Array, slot: int, start_pos: int, scale: float,
                   out: Array | None = None) -> Array:

@@ -273,7 +273,9 @@ class LlamaModel:
         positions = be.upload(np.concatenate(
             [np.arange(r.start_pos, r.start_pos + n, dtype=np.int32) for r, n in zip(batch, lengths)]))
         token_slots = be.upload(np.repeat(np.array([r.slot for r in batch], dtype=np.int32), lengths))
-        plan = plan if decode_only else None
+        # The layers alone in one call where the backend has that (the cpu backend; the cuda one runs only whole
+        # steps, taken above).
+        plan = plan if decode_only and hasattr(be, "decode_layers") else None
         return lambda: self._compute(state, batch, plan, tokens, positions, token_slots, offsets)
 
     def _prepared_decode_step(self, state: KVState, batch: list[BatchRow], plan: Any) -> Callable[[], np.ndarray]:

@@ -32,7 +32,7 @@ class FakeCapture:
             self.fail_next -= 1
             raise RuntimeError(f"CUDA_ERROR_STREAM_CAPTURE_INVALIDATED at {stage}")
 
-    def begin(self, stream):
+    def begin(self, stream, body):
         self.log.append("begin")
         self._maybe_fail("begin")
         self.capturing = True
@@ -172,7 +172,7 @@ def test_ineligible_slots_and_unsupported_capture():
     assert unsupported.run(0, "batched_attn", body, "s") is False
     assert unsupported.summary() == {"live": 0, "total": 1, "failed": 0, "ineligible": 1, "pending": 0}
     with pytest.raises(CaptureUnsupported):
-        UnsupportedCapture("x").begin("s")
+        UnsupportedCapture("x").begin("s", lambda: None)
 
 
 def test_total_counts_only_exercised_slots_and_classes():

@@ -29,7 +29,7 @@ from pantheon.io.gguf_file import GGUFFile
 from pantheon.kernels.backend import checked_row_run
 from pantheon.kernels.cpu import ops as host_ops
 from pantheon.kernels.cpu.moe import ExpertWeights, stacked_experts
-from pantheon.kernels.cuda import moe, ops, quant, ssm
+from pantheon.kernels.cuda import decode_step, moe, ops, quant, ssm
 from pantheon.kernels.cuda.dies import DieBudgetExceeded, DieManager
 from pantheon.kernels.cuda.graphs import CaptureLayer, GraphResidency, default_capture_layer
 from pantheon.kernels.cuda.launch import GEOMETRY, MAX_HEAD_DIM, SIMULATOR, Geometry, cuda
@@ -346,6 +346,24 @@ class CudaBackend:
         with self._attention_lock:
             return ops.attention_decode_batch(q, k_pool, v_pool, positions, scale, out, slot_ids=slot_ids,
                                               scratch=self._scratch, stream=self.stream, geometry=self.geometry)
+
+    # -- the llama decode step, layer by layer through graph slots (decode_step.py) ----------------------------
+    def decode_plan(self, blocks: list[Any], output_norm: Any, head_dim: int, tok_embd: Any = None,
+                    output: Any = None) -> decode_step.CudaDecodePlan | None:
+        if tok_embd is None or output is None:
+            return None
+        return decode_step.CudaDecodePlan(blocks, output_norm, head_dim, tok_embd, output)
+
+    @staticmethod
+    def kernel_pools(pools: list[Any]) -> list[Any]:
+        """The model's own list: `heal_rings` replaces its entries, and the step sees them."""
+        return pools
+
+    def decode_step(self, plan: decode_step.CudaDecodePlan, tokens: np.ndarray, eps: float, k_pools: list[Any],
+                    v_pools: list[Any], slots: np.ndarray, positions: np.ndarray, n_q_heads: int, n_rot: int,
+                    freq_base: float, freq_scale: float, scale: float) -> np.ndarray:
+        return decode_step.run_step(self, plan, tokens, eps, k_pools, v_pools, slots, positions, n_q_heads, n_rot,
+                                    freq_base, freq_scale, scale)
 
     # -- hybrid (Gated DeltaNet) and MoE layers ---------------------------------------------------------------
     def causal_conv1d(self, x: Any, states: Any, weight: Any, slot_ids: Any, out: Any = None) -> Any:

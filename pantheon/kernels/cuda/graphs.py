@@ -37,8 +37,9 @@ class CaptureUnsupported(RuntimeError):
 
 
 class CaptureLayer(Protocol):
-    def begin(self, stream: Any) -> None:
-        """Start capturing the work queued on `stream`."""
+    def begin(self, stream: Any, body: Callable[[], None]) -> None:
+        """Start capturing the work queued on `stream` (`body`, about to run, queues it: a layer that cannot see
+        kernel launches, like the tests' replaying fake, keeps it to run at each launch)."""
 
     def end(self, stream: Any) -> Any:
         """Stop capturing; returns the captured graph (raises when the capture was invalidated)."""
@@ -61,7 +62,7 @@ class UnsupportedCapture:
     def __init__(self, reason: str) -> None:
         self.reason = reason
 
-    def begin(self, stream: Any) -> None:
+    def begin(self, stream: Any, body: Callable[[], None]) -> None:
         raise CaptureUnsupported(self.reason)
 
     def end(self, stream: Any) -> Any:
@@ -95,7 +96,7 @@ class DriverCapture:
         self._driver = driver
         self._cuda = cuda
 
-    def begin(self, stream: Any) -> None:
+    def begin(self, stream: Any, body: Callable[[], None]) -> None:
         mode = self._cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
         self._driver.cuStreamBeginCapture(stream.handle, mode)
 
@@ -197,10 +198,17 @@ class GraphResidency:
         self._drop_graph(slot)
         slot.state, slot.reason = SlotState.INELIGIBLE, reason
 
+    def mark_eligible(self, key: Any, reason: str) -> None:
+        """A slot made ineligible for `reason` may capture again (after warm-up), now that the reason is gone."""
+        slot = self.slots.get(key)
+        if slot is not None and slot.state is SlotState.INELIGIBLE and slot.reason == reason:
+            slot.state, slot.reason, slot.warm_runs = SlotState.PENDING, "", 0
+
     def invalidate(self, key: Any = None) -> None:
-        """Forget captured graphs (all, or one slot's) because buffers they read moved; they are captured again
-        after warm-up. Failure history is kept."""
-        for slot in ([self.slots[key]] if key is not None else list(self.slots.values())):
+        """Forget captured graphs (all, or one slot's; a slot not made yet has none) because buffers they read
+        moved; they are captured again after warm-up. Failure history is kept."""
+        chosen = [self.slots[key]] if key in self.slots else []
+        for slot in (chosen if key is not None else list(self.slots.values())):
             if slot.state is SlotState.LIVE:
                 self._drop_graph(slot)
                 slot.state, slot.warm_runs = SlotState.PENDING, 0
@@ -237,7 +245,7 @@ class GraphResidency:
         graph = executable = None
         try:
             with self.capture.deferred_cleanup():
-                self.capture.begin(stream)
+                self.capture.begin(stream, body)
                 try:
                     body()
                 finally:

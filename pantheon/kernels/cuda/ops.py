@@ -236,14 +236,15 @@ def _copy_cols_kernel(x, start, out):
         out[r, c] = x[r, start + c]
 
 
-def split_cols(x: Any, widths: tuple[int, ...], stream: Any = 0, geometry: Geometry = GEOMETRY) -> list[Any]:
+def split_cols(x: Any, widths: tuple[int, ...], stream: Any = 0, geometry: Geometry = GEOMETRY,
+               outs: tuple[Any, ...] | None = None) -> list[Any]:
     """Consecutive column blocks of x (T, sum(widths)), each copied into its own contiguous device array
-    (the kernels index rows by their width, so a strided view would not do)."""
+    (the kernels index rows by their width, so a strided view would not do): `outs` when given."""
     if sum(widths) != x.shape[1]:
         raise ValueError(f"column widths {widths} do not add up to {x.shape[1]}")
     parts, start = [], 0
-    for width in widths:
-        out = cuda.device_array((x.shape[0], width), dtype=x.dtype, stream=stream)
+    for i, width in enumerate(widths):
+        out = cuda.device_array((x.shape[0], width), dtype=x.dtype, stream=stream) if outs is None else outs[i]
         n = x.shape[0] * width
         if n:
             threads = geometry.ew_threads

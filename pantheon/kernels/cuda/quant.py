@@ -132,13 +132,15 @@ def expert_matmul(w: CudaWeight, stride: int, offset: int, n_rows: int, x: Any, 
     return out
 
 
-def embed(w: CudaWeight, ids: Any, stream: Any = 0, geometry: Geometry = GEOMETRY) -> Any:
-    """Rows `ids` (1-D integer device array) of the dequantized weight: float32 (len(ids), K).
+def embed(w: CudaWeight, ids: Any, stream: Any = 0, geometry: Geometry = GEOMETRY, out: Any = None) -> Any:
+    """Rows `ids` (1-D integer device array) of the dequantized weight: float32 (len(ids), K), into `out` when
+    given.
 
     An id outside [0, rows) gives a row of NaN (a device array cannot be checked without a sync; host callers
     check first, see CudaBackend.embed)."""
     n = ids.shape[0]
-    out = cuda.device_array((n, w.cols), dtype=np.float32, stream=stream)
+    if out is None:
+        out = cuda.device_array((n, w.cols), dtype=np.float32, stream=stream)
     if n == 0:
         return out
     units = -(-w.cols // UNIT)

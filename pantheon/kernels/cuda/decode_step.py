@@ -1,0 +1,208 @@
+"""A llama decode step on the cuda backend, replayable as CUDA graphs: one graph slot per layer and batch size.
+
+A captured graph replays the kernel launches it recorded, with the pointers and scalars they had then. So every
+array a layer's launches touch is allocated once per batch size (`StepBuffers`) and kept, and every value that
+changes from step to step (token ids, slots, positions) lives in a small device buffer that the step overwrites
+before the layers run. The kernels already take slots and positions from device arrays, and the decode
+attention splits the KV for the ring's length, not the step's, so its launch geometry is fixed too.
+
+A step: the host checks and uploads the ids (outside any graph), the embedding and the first norm are launched
+directly, then each layer runs through `GraphResidency.run` under the key ("decode", layer, batch size), class
+`batched_attn`: replayed once captured, else launched directly with the same kernels in the same order (the
+same bits either way). The output matrix is launched directly and its logits copied to the host, the step's
+only synchronisation.
+
+A layer whose KV ring lives in host memory (attention residency) runs its cache write and attention on the host,
+which needs syncs; its slot is ineligible while that lasts, and eligible again once the ring is back on the die.
+A ring that moves (a new state, or one healed onto the die) gets its layer's graphs dropped and captured anew.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from pantheon.kernels.cuda import ops, quant
+
+GRAPH_CLASS = "batched_attn"
+HOST_RING = "KV ring in host memory"
+
+
+@dataclass
+class LayerLaunch:
+    """The direct launches of one layer for one batch size, bound to its static buffers and KV rings."""
+
+    body: Any
+    k_pool: Any
+    v_pool: Any
+
+
+@dataclass
+class StepBuffers:
+    """Every array a decode step of `n` rows reads or writes, allocated once."""
+
+    n: int
+    tokens: Any
+    slots: Any
+    positions: Any
+    x: Any  # the residual stream (n, D)
+    h: Any  # normed input of the next matmul (n, D)
+    qkv: Any  # stacked projection (n, q + 2 kv), or None
+    q: Any  # (n, Hq, hd)
+    k: Any  # (n, Hkv, hd)
+    v: Any
+    attn: Any  # (n, Hq, hd)
+    o: Any  # (n, D)
+    gate_up: Any  # stacked (n, 2F), or None
+    gate: Any  # (n, F)
+    up: Any
+    ff: Any
+    down: Any  # (n, D)
+    logits: Any  # (n, output rows)
+    scratch: ops.DecodeScratch
+    layers: dict[int, LayerLaunch] = field(default_factory=dict)
+
+
+class CudaDecodePlan:
+    """The weights of a llama model's decode step on the cuda backend, and the static buffers of each batch size
+    it has run."""
+
+    ends = True  # the whole step, token ids to logits, runs here (the llama model's `plan.ends` test)
+
+    def __init__(self, blocks: list[Any], output_norm: Any, head_dim: int, tok_embd: Any, output: Any) -> None:
+        self.blocks = blocks
+        self.output_norm = output_norm
+        self.head_dim = head_dim
+        self.tok_embd = tok_embd
+        self.output = output
+        self.steps: dict[int, StepBuffers] = {}
+
+    def buffers(self, backend: Any, n: int, n_q_heads: int, n_kv_heads: int) -> StepBuffers:
+        found = self.steps.get(n)
+        if found is not None:
+            return found
+        blk, hd = self.blocks[0], self.head_dim
+        d_model, ffn = int(blk.w_down.rows), int(blk.w_down.cols)
+        empty = backend.empty
+        stacked_qkv = blk.w_qkv is not None
+        stacked_ffn = blk.w_gate_up is not None
+        made = StepBuffers(
+            n=n, tokens=empty((n,), np.int64), slots=empty((n,), np.int32), positions=empty((n,), np.int32),
+            x=empty((n, d_model)), h=empty((n, d_model)),
+            qkv=empty((n, (n_q_heads + 2 * n_kv_heads) * hd)) if stacked_qkv else None,
+            q=empty((n, n_q_heads, hd)), k=empty((n, n_kv_heads, hd)), v=empty((n, n_kv_heads, hd)),
+            attn=empty((n, n_q_heads, hd)), o=empty((n, d_model)),
+            gate_up=empty((n, 2 * ffn)) if stacked_ffn else None,
+            gate=empty((n, ffn)), up=empty((n, ffn)), ff=empty((n, ffn)), down=empty((n, d_model)),
+            logits=empty((n, int(self.output.rows))), scratch=ops.DecodeScratch())
+        self.steps[n] = made
+        return made
+
+
+def check_step(plan: CudaDecodePlan, tokens: np.ndarray, slots: np.ndarray, positions: np.ndarray,
+               n_slots: int, ctx: int) -> None:
+    """The errors the cpu backend's decode step raises: IndexError for a token id outside the embedding,
+    ValueError for a slot or position outside the caches or two rows on one slot."""
+    if len(tokens) != len(slots) or len(slots) != len(positions):
+        raise ValueError(f"decode step: {len(tokens)} tokens, {len(slots)} slots, {len(positions)} positions")
+    if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= plan.tok_embd.rows):
+        bad = int(tokens.min()) if int(tokens.min()) < 0 else int(tokens.max())
+        raise IndexError(f"token id {bad} outside [0, {plan.tok_embd.rows})")
+    if slots.size and (int(slots.min()) < 0 or int(slots.max()) >= n_slots):
+        raise ValueError(f"slot ids {slots.tolist()} outside [0, {n_slots})")
+    if positions.size and (int(positions.min()) < 0 or int(positions.max()) >= ctx):
+        raise ValueError(f"positions {positions.tolist()} outside a cache of {ctx}")
+    if len(set(slots.tolist())) != len(slots):
+        raise ValueError(f"decode step: two rows on one slot ({slots.tolist()})")
+
+
+def _layer_body(backend: Any, plan: CudaDecodePlan, li: int, buf: StepBuffers, k_pool: Any, v_pool: Any,
+                eps: float, n_rot: int, freq_base: float, freq_scale: float, scale: float) -> Any:
+    """The launches of layer li for buf's batch size: the ops the llama model's own forward runs for a decode
+    step, in its order, into buf's arrays. Binds nothing that changes between steps."""
+    blk = plan.blocks[li]
+    next_norm = plan.blocks[li + 1].attn_norm if li + 1 < len(plan.blocks) else plan.output_norm
+    stream, geometry = backend.stream, backend.geometry
+    n = buf.n
+    q_flat, k_flat, v_flat = (a.reshape(n, a.shape[1] * a.shape[2]) for a in (buf.q, buf.k, buf.v))
+    on_host = isinstance(k_pool, np.ndarray)
+
+    def body() -> None:
+        if blk.w_qkv is not None:
+            quant.matmul(blk.w_qkv, buf.h, buf.qkv, stream, geometry)
+            ops.split_cols(buf.qkv, (q_flat.shape[1], k_flat.shape[1], v_flat.shape[1]), stream, geometry,
+                           outs=(q_flat, k_flat, v_flat))
+        else:
+            for w, out in ((blk.wq, q_flat), (blk.wk, k_flat), (blk.wv, v_flat)):
+                quant.matmul(w, buf.h, out, stream, geometry)
+        ops.rope_inplace(buf.q, buf.positions, n_rot, freq_base, False, freq_scale, stream, geometry)
+        ops.rope_inplace(buf.k, buf.positions, n_rot, freq_base, False, freq_scale, stream, geometry)
+        if on_host:  # the backend's host path (syncs; never captured)
+            backend.kv_write(k_pool, buf.slots, buf.positions, buf.k)
+            backend.kv_write(v_pool, buf.slots, buf.positions, buf.v)
+            backend.attention_decode_batch(buf.q, k_pool, v_pool, buf.positions, scale, buf.attn,
+                                           slot_ids=buf.slots)
+        else:
+            ops.kv_write(k_pool, buf.slots, buf.positions, buf.k, stream, geometry)
+            ops.kv_write(v_pool, buf.slots, buf.positions, buf.v, stream, geometry)
+            ops.attention_decode_batch(buf.q, k_pool, v_pool, buf.positions, scale, buf.attn, slot_ids=buf.slots,
+                                       scratch=buf.scratch, stream=stream, geometry=geometry)
+        quant.matmul(blk.wo, buf.attn.reshape(n, buf.attn.shape[1] * buf.attn.shape[2]), buf.o, stream, geometry)
+        ops.add_rmsnorm(buf.x, buf.o, blk.ffn_norm, eps, buf.h, stream, geometry)
+        if blk.w_gate_up is not None:
+            quant.matmul(blk.w_gate_up, buf.h, buf.gate_up, stream, geometry)
+            ops.split_cols(buf.gate_up, (buf.gate.shape[1], buf.up.shape[1]), stream, geometry,
+                           outs=(buf.gate, buf.up))
+        else:
+            quant.matmul(blk.w_gate, buf.h, buf.gate, stream, geometry)
+            quant.matmul(blk.w_up, buf.h, buf.up, stream, geometry)
+        ops.swiglu(buf.gate, buf.up, buf.ff, stream, geometry)
+        quant.matmul(blk.w_down, buf.ff, buf.down, stream, geometry)
+        ops.add_rmsnorm(buf.x, buf.down, next_norm, eps, buf.h, stream, geometry)
+
+    return body
+
+
+def run_step(backend: Any, plan: CudaDecodePlan, tokens: np.ndarray, eps: float, k_pools: list[Any],
+             v_pools: list[Any], slots: np.ndarray, positions: np.ndarray, n_q_heads: int, n_rot: int,
+             freq_base: float, freq_scale: float, scale: float) -> np.ndarray:
+    """Token ids (B,) -> logits (B, output rows) on the host, for one token per row at `positions` of `slots`."""
+    tokens = np.ascontiguousarray(tokens, dtype=np.int64)
+    slots = np.ascontiguousarray(slots, dtype=np.int32)
+    positions = np.ascontiguousarray(positions, dtype=np.int32)
+    n_slots, ctx, n_kv_heads = (int(s) for s in k_pools[0].shape[:3])
+    check_step(plan, tokens, slots, positions, n_slots, ctx)
+    n = len(tokens)
+    if n == 0:
+        return np.empty((0, int(plan.output.rows)), np.float32)
+    buf = plan.buffers(backend, n, n_q_heads, n_kv_heads)
+    stream, geometry, graphs = backend.stream, backend.geometry, backend.graphs
+    for host, device in ((tokens, buf.tokens), (slots, buf.slots), (positions, buf.positions)):
+        device.copy_to_device(host, stream=stream)
+    quant.embed(plan.tok_embd, buf.tokens, stream, geometry, out=buf.x)
+    ops.rmsnorm(buf.x, plan.blocks[0].attn_norm, eps, buf.h, stream, geometry)
+    for li in range(len(plan.blocks)):
+        k_pool, v_pool = k_pools[li], v_pools[li]
+        on_host = isinstance(k_pool, np.ndarray)
+        if not on_host:  # (the host path's backend call reports its own)
+            backend.attention_residency.reached(k_pool, False)
+        key = ("decode", li, n)
+        launch = buf.layers.get(li)
+        if launch is None or launch.k_pool is not k_pool or launch.v_pool is not v_pool:
+            # New rings (a new state, or a host ring moved to the die): the captured graph points at the old ones.
+            graphs.invalidate(key)
+            launch = buf.layers[li] = LayerLaunch(
+                _layer_body(backend, plan, li, buf, k_pool, v_pool, eps, n_rot, freq_base, freq_scale, scale),
+                k_pool, v_pool)
+            if on_host:
+                graphs.mark_ineligible(key, GRAPH_CLASS, HOST_RING)
+            else:
+                graphs.mark_eligible(key, HOST_RING)
+        graphs.run(key, GRAPH_CLASS, launch.body, stream)
+    quant.matmul(plan.output, buf.h, buf.logits, stream, geometry)
+    return backend.to_host(buf.logits)
+
+
+__all__ = ["CudaDecodePlan", "GRAPH_CLASS", "HOST_RING", "StepBuffers", "check_step", "run_step"]
