@@ -363,7 +363,11 @@ class Qwen35Model:
         self.output = output
         self.vocab_size = config.vocab_size
         self.context_length = config.context_length
-        self._key_head = backend.upload(config.key_head_of_value_head())
+        # The key head each value head reads (device array on the cuda backend).
+        self.key_head = backend.upload(config.key_head_of_value_head())
+        # Backends that run a decode step (one token per row) through a plan of their own: the cuda one, whose
+        # plan replays each layer as a CUDA graph (kernels/cuda/hybrid_step.py).
+        self._decode_plan = backend.hybrid_decode_plan(self) if hasattr(backend, "hybrid_decode_plan") else None
 
     @classmethod
     def from_gguf(cls, gguf: GGUFFile, backend: Any) -> "Qwen35Model":
@@ -524,6 +528,13 @@ class Qwen35Model:
                 # Continuing elsewhere would silently mix two sequences' states: rewinding needs restore_slot.
                 raise ValueError(f"slot {row.slot} holds the recurrent state after {state.n_tokens[row.slot]} "
                                  f"tokens and cannot continue at position {row.start_pos}")
+        if self._decode_plan is not None and all(len(r.tokens) == 1 and r.logits == "last" for r in batch):
+            logits = be.hybrid_decode_step(
+                self._decode_plan, state, np.fromiter((r.tokens[0] for r in batch), np.int64, len(batch)),
+                np.array([r.slot for r in batch], np.int32), np.array([r.start_pos for r in batch], np.int32))
+            for row in batch:
+                state.n_tokens[row.slot] = row.start_pos + 1
+            return logits[:, : c.vocab_size]
         lengths = [len(r.tokens) for r in batch]
         offsets = np.cumsum([0, *lengths])
         n_tok = int(offsets[-1])
@@ -603,7 +614,7 @@ class Qwen35Model:
             v = cv[:, :, 2 * c.key_dim :].reshape(n_seq, length, nv, dv)
             rule = be.gated_delta_chunked if length > 1 else be.gated_delta_recurrent
             rule(q, k, v, g[a:b].reshape(n_seq, length, nv), beta[a:b].reshape(n_seq, length, nv), ssm_pool,
-                 slots, self._key_head, scale, c.rms_eps, out=core[a:b].reshape(n_seq, length, nv, dv))
+                 slots, self.key_head, scale, c.rms_eps, out=core[a:b].reshape(n_seq, length, nv, dv))
         y = be.gated_rmsnorm(core.reshape(n * nv, dv), z.reshape(n * nv, dv), m.norm, c.rms_eps)
         return be.matmul(m.w_out, y.reshape(n, nv * dv))
 

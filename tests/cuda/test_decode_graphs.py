@@ -3,58 +3,22 @@ the simulator with a capture layer that replays: each layer is captured once per
 later steps with new tokens, slots and positions, and the logits stay the cpu backend's. A layer whose KV ring
 is in host memory stays ineligible until the ring is back on the die, then is captured too.
 
-The simulator cannot capture kernel launches, so `ReplayingCapture` keeps the body it was handed at capture and
-runs that same body at each replay: a body that bound anything of the step it was captured in (a host array,
-a per-step buffer, a position) would replay that step's values, and the logits would go wrong.
+The simulator cannot capture kernel launches: `ReplayingCapture` (see its module) runs the captured body again
+at each replay, so a body that bound anything of the step it was captured in would give wrong logits.
 """
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
 
+from tests.cuda.replaying_capture import ReplayingCapture
 from tests.cuda.test_llama_forward import CTX, assert_logits_close, write_model
 from tests.cuda.test_residency import Clock
 
 pytestmark = [pytest.mark.cuda_kernels, pytest.mark.slow]
-
-
-class ReplayingCapture:
-    def __init__(self) -> None:
-        self.bodies: dict[int, Any] = {}
-        self.fresh: set[int] = set()
-        self.captures = 0
-        self.replays = 0
-        self._body: Any = None
-
-    def begin(self, stream: Any, body: Any) -> None:
-        self._body = body
-
-    def end(self, stream: Any) -> int:
-        self.captures += 1
-        self.bodies[self.captures] = self._body
-        return self.captures
-
-    def instantiate(self, graph: int, stream: Any) -> int:
-        self.fresh.add(graph)
-        return graph
-
-    def launch(self, executable: int, stream: Any) -> None:
-        if executable in self.fresh:  # the body already ran while "captured" (the simulator cannot hold it back)
-            self.fresh.discard(executable)
-            return
-        self.replays += 1
-        self.bodies[executable]()
-
-    def destroy(self, graph: Any, executable: Any) -> None:
-        self.bodies.pop(graph, None)
-
-    def deferred_cleanup(self) -> contextlib.AbstractContextManager[Any]:
-        return contextlib.nullcontext()
 
 
 def test_decode_layers_replay_as_graphs_with_the_cpu_logits(tmp_path: Path) -> None:

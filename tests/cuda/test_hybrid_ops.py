@@ -123,6 +123,13 @@ def test_moe_route_and_ffn(be):
     alone = gpu.upload(base[3:4])
     gpu.moe_ffn(gpu.upload(x[3:4]), *experts["gpu"], gpu.upload(ids_c[3:4]), gpu.upload(w_c[3:4]), alone)
     assert np.array_equal(gpu.to_host(alone)[0], gpu.to_host(out)[3])
+    # The decode step's form (a tile per pair, experts read on the device): the same bits.
+    from pantheon.kernels.cuda import moe
+
+    pairs = gpu.upload(base)
+    bufs = moe.pair_buffers(n_tok, k, d, ff, gpu.stream)
+    assert moe.moe_ffn_pairs(gpu.upload(x), *experts["gpu"], ids_g, w_g, pairs, bufs, gpu.stream) is pairs
+    assert np.array_equal(gpu.to_host(pairs), gpu.to_host(out))
 
 
 def test_weight_rows_and_weight_from_raw(be):

@@ -29,7 +29,7 @@ from pantheon.io.gguf_file import GGUFFile
 from pantheon.kernels.backend import checked_row_run
 from pantheon.kernels.cpu import ops as host_ops
 from pantheon.kernels.cpu.moe import ExpertWeights, stacked_experts
-from pantheon.kernels.cuda import decode_step, moe, ops, quant, ssm
+from pantheon.kernels.cuda import decode_step, hybrid_step, moe, ops, quant, ssm
 from pantheon.kernels.cuda.dies import DieBudgetExceeded, DieManager
 from pantheon.kernels.cuda.graphs import CaptureLayer, GraphResidency, default_capture_layer
 from pantheon.kernels.cuda.launch import GEOMETRY, MAX_HEAD_DIM, SIMULATOR, Geometry, cuda
@@ -364,6 +364,14 @@ class CudaBackend:
                     freq_base: float, freq_scale: float, scale: float) -> np.ndarray:
         return decode_step.run_step(self, plan, tokens, eps, k_pools, v_pools, slots, positions, n_q_heads, n_rot,
                                     freq_base, freq_scale, scale)
+
+    def hybrid_decode_plan(self, model: Any) -> hybrid_step.HybridDecodePlan:
+        """A Qwen3.5-family model's decode steps, layer by layer through graph slots (hybrid_step.py)."""
+        return hybrid_step.HybridDecodePlan(model)
+
+    def hybrid_decode_step(self, plan: hybrid_step.HybridDecodePlan, state: Any, tokens: np.ndarray,
+                           slots: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        return hybrid_step.run_step(self, plan, state, tokens, slots, positions)
 
     # -- hybrid (Gated DeltaNet) and MoE layers ---------------------------------------------------------------
     def causal_conv1d(self, x: Any, states: Any, weight: Any, slot_ids: Any, out: Any = None) -> Any:

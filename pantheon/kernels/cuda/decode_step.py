@@ -15,10 +15,14 @@ only synchronisation.
 A layer whose KV ring lives in host memory (attention residency) runs its cache write and attention on the host,
 which needs syncs; its slot is ineligible while that lasts, and eligible again once the ring is back on the die.
 A ring that moves (a new state, or one healed onto the die) gets its layer's graphs dropped and captured anew.
+
+`run_layer`, `attend`, `check_ids`, `upload_ids` and `SharedRows` serve the Qwen3.5-family step too
+(hybrid_step.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,11 +36,84 @@ HOST_RING = "KV ring in host memory"
 
 @dataclass
 class LayerLaunch:
-    """The direct launches of one layer for one batch size, bound to its static buffers and KV rings."""
+    """The direct launches of one layer for one batch size, bound to its static buffers and state pools."""
 
     body: Any
-    k_pool: Any
-    v_pool: Any
+    pools: tuple[Any, ...]
+
+
+class SharedRows:
+    """A (rows, cols) float32 device array shared by every batch size, grown to the largest asked for: for what
+    no graph reads (the logits: the output matmul runs after the layers, directly), so that a server of many
+    slots does not hold a vocabulary-wide buffer per batch size."""
+
+    def __init__(self, cols: int) -> None:
+        self.cols = cols
+        self._array: Any = None
+
+    def rows(self, backend: Any, n: int) -> Any:
+        if self._array is None or self._array.shape[0] < n:
+            self._array = backend.empty((n, self.cols))
+        return self._array[:n]
+
+
+def run_layer(backend: Any, layers: dict[int, LayerLaunch], li: int, n: int, graph_class: str,
+              pools: tuple[Any, ...], make_body: Callable[[], Callable[[], None]]) -> None:
+    """Layer li of a decode step of n rows through its graph slot ("decode", li, n). `layers` holds the batch
+    size's bodies; one is made (`make_body`) when the layer has none yet or its pools are not the ones it bound
+    (a new state, or a host ring moved to the die: a graph captured before points at the old ones). A layer
+    with a KV ring in host memory is ineligible while it is there."""
+    graphs = backend.graphs
+    key = ("decode", li, n)
+    launch = layers.get(li)
+    if launch is None or any(a is not b for a, b in zip(launch.pools, pools)):
+        graphs.invalidate(key)
+        launch = layers[li] = LayerLaunch(make_body(), pools)
+        if any(isinstance(p, np.ndarray) for p in pools):
+            graphs.mark_ineligible(key, graph_class, HOST_RING)
+        else:
+            graphs.mark_eligible(key, HOST_RING)
+    graphs.run(key, graph_class, launch.body, backend.stream)
+
+
+def upload_ids(stream: Any, pairs: tuple[tuple[np.ndarray, Any], ...]) -> None:
+    """Each host array into its step buffer, on the stream, before the step's first launch (never captured)."""
+    for host, device in pairs:
+        device.copy_to_device(host, stream=stream)
+
+
+def attend(backend: Any, q: Any, k: Any, v: Any, k_pool: Any, v_pool: Any, slots: Any, positions: Any, scale: float,
+           out: Any, scratch: ops.DecodeScratch) -> None:
+    """The decode step's cache writes and attention (q (n, Hq, hd), k and v (n, Hkv, hd)) into out: on the die
+    with the step's own split-K scratch, or through the backend's host path for a ring in host memory (syncs;
+    its layer is never captured)."""
+    if isinstance(k_pool, np.ndarray):
+        backend.kv_write(k_pool, slots, positions, k)
+        backend.kv_write(v_pool, slots, positions, v)
+        backend.attention_decode_batch(q, k_pool, v_pool, positions, scale, out, slot_ids=slots)
+        return
+    stream, geometry = backend.stream, backend.geometry
+    ops.kv_write(k_pool, slots, positions, k, stream, geometry)
+    ops.kv_write(v_pool, slots, positions, v, stream, geometry)
+    ops.attention_decode_batch(q, k_pool, v_pool, positions, scale, out, slot_ids=slots, scratch=scratch,
+                               stream=stream, geometry=geometry)
+
+
+def check_ids(tokens: np.ndarray, slots: np.ndarray, positions: np.ndarray, vocab_rows: int, n_slots: int,
+              ctx: int) -> None:
+    """The errors the cpu backend's decode step raises: IndexError for a token id outside the embedding,
+    ValueError for a slot or position outside the caches or two rows on one slot."""
+    if len(tokens) != len(slots) or len(slots) != len(positions):
+        raise ValueError(f"decode step: {len(tokens)} tokens, {len(slots)} slots, {len(positions)} positions")
+    if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab_rows):
+        bad = int(tokens.min()) if int(tokens.min()) < 0 else int(tokens.max())
+        raise IndexError(f"token id {bad} outside [0, {vocab_rows})")
+    if slots.size and (int(slots.min()) < 0 or int(slots.max()) >= n_slots):
+        raise ValueError(f"slot ids {slots.tolist()} outside [0, {n_slots})")
+    if positions.size and (int(positions.min()) < 0 or int(positions.max()) >= ctx):
+        raise ValueError(f"positions {positions.tolist()} outside a cache of {ctx}")
+    if len(set(slots.tolist())) != len(slots):
+        raise ValueError(f"decode step: two rows on one slot ({slots.tolist()})")
 
 
 @dataclass
@@ -60,7 +137,6 @@ class StepBuffers:
     up: Any
     ff: Any
     down: Any  # (n, D)
-    logits: Any  # (n, output rows)
     scratch: ops.DecodeScratch
     layers: dict[int, LayerLaunch] = field(default_factory=dict)
 
@@ -78,6 +154,7 @@ class CudaDecodePlan:
         self.tok_embd = tok_embd
         self.output = output
         self.steps: dict[int, StepBuffers] = {}
+        self.logits = SharedRows(int(output.rows))
 
     def buffers(self, backend: Any, n: int, n_q_heads: int, n_kv_heads: int) -> StepBuffers:
         found = self.steps.get(n)
@@ -96,26 +173,9 @@ class CudaDecodePlan:
             attn=empty((n, n_q_heads, hd)), o=empty((n, d_model)),
             gate_up=empty((n, 2 * ffn)) if stacked_ffn else None,
             gate=empty((n, ffn)), up=empty((n, ffn)), ff=empty((n, ffn)), down=empty((n, d_model)),
-            logits=empty((n, int(self.output.rows))), scratch=ops.DecodeScratch())
+            scratch=ops.DecodeScratch())
         self.steps[n] = made
         return made
-
-
-def check_step(plan: CudaDecodePlan, tokens: np.ndarray, slots: np.ndarray, positions: np.ndarray,
-               n_slots: int, ctx: int) -> None:
-    """The errors the cpu backend's decode step raises: IndexError for a token id outside the embedding,
-    ValueError for a slot or position outside the caches or two rows on one slot."""
-    if len(tokens) != len(slots) or len(slots) != len(positions):
-        raise ValueError(f"decode step: {len(tokens)} tokens, {len(slots)} slots, {len(positions)} positions")
-    if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= plan.tok_embd.rows):
-        bad = int(tokens.min()) if int(tokens.min()) < 0 else int(tokens.max())
-        raise IndexError(f"token id {bad} outside [0, {plan.tok_embd.rows})")
-    if slots.size and (int(slots.min()) < 0 or int(slots.max()) >= n_slots):
-        raise ValueError(f"slot ids {slots.tolist()} outside [0, {n_slots})")
-    if positions.size and (int(positions.min()) < 0 or int(positions.max()) >= ctx):
-        raise ValueError(f"positions {positions.tolist()} outside a cache of {ctx}")
-    if len(set(slots.tolist())) != len(slots):
-        raise ValueError(f"decode step: two rows on one slot ({slots.tolist()})")
 
 
 def _layer_body(backend: Any, plan: CudaDecodePlan, li: int, buf: StepBuffers, k_pool: Any, v_pool: Any,
@@ -127,7 +187,6 @@ def _layer_body(backend: Any, plan: CudaDecodePlan, li: int, buf: StepBuffers, k
     stream, geometry = backend.stream, backend.geometry
     n = buf.n
     q_flat, k_flat, v_flat = (a.reshape(n, a.shape[1] * a.shape[2]) for a in (buf.q, buf.k, buf.v))
-    on_host = isinstance(k_pool, np.ndarray)
 
     def body() -> None:
         if blk.w_qkv is not None:
@@ -139,16 +198,7 @@ def _layer_body(backend: Any, plan: CudaDecodePlan, li: int, buf: StepBuffers, k
                 quant.matmul(w, buf.h, out, stream, geometry)
         ops.rope_inplace(buf.q, buf.positions, n_rot, freq_base, False, freq_scale, stream, geometry)
         ops.rope_inplace(buf.k, buf.positions, n_rot, freq_base, False, freq_scale, stream, geometry)
-        if on_host:  # the backend's host path (syncs; never captured)
-            backend.kv_write(k_pool, buf.slots, buf.positions, buf.k)
-            backend.kv_write(v_pool, buf.slots, buf.positions, buf.v)
-            backend.attention_decode_batch(buf.q, k_pool, v_pool, buf.positions, scale, buf.attn,
-                                           slot_ids=buf.slots)
-        else:
-            ops.kv_write(k_pool, buf.slots, buf.positions, buf.k, stream, geometry)
-            ops.kv_write(v_pool, buf.slots, buf.positions, buf.v, stream, geometry)
-            ops.attention_decode_batch(buf.q, k_pool, v_pool, buf.positions, scale, buf.attn, slot_ids=buf.slots,
-                                       scratch=buf.scratch, stream=stream, geometry=geometry)
+        attend(backend, buf.q, buf.k, buf.v, k_pool, v_pool, buf.slots, buf.positions, scale, buf.attn, buf.scratch)
         quant.matmul(blk.wo, buf.attn.reshape(n, buf.attn.shape[1] * buf.attn.shape[2]), buf.o, stream, geometry)
         ops.add_rmsnorm(buf.x, buf.o, blk.ffn_norm, eps, buf.h, stream, geometry)
         if blk.w_gate_up is not None:
@@ -173,36 +223,26 @@ def run_step(backend: Any, plan: CudaDecodePlan, tokens: np.ndarray, eps: float,
     slots = np.ascontiguousarray(slots, dtype=np.int32)
     positions = np.ascontiguousarray(positions, dtype=np.int32)
     n_slots, ctx, n_kv_heads = (int(s) for s in k_pools[0].shape[:3])
-    check_step(plan, tokens, slots, positions, n_slots, ctx)
+    check_ids(tokens, slots, positions, plan.tok_embd.rows, n_slots, ctx)
     n = len(tokens)
     if n == 0:
         return np.empty((0, int(plan.output.rows)), np.float32)
     buf = plan.buffers(backend, n, n_q_heads, n_kv_heads)
-    stream, geometry, graphs = backend.stream, backend.geometry, backend.graphs
-    for host, device in ((tokens, buf.tokens), (slots, buf.slots), (positions, buf.positions)):
-        device.copy_to_device(host, stream=stream)
+    stream, geometry = backend.stream, backend.geometry
+    upload_ids(stream, ((tokens, buf.tokens), (slots, buf.slots), (positions, buf.positions)))
     quant.embed(plan.tok_embd, buf.tokens, stream, geometry, out=buf.x)
     ops.rmsnorm(buf.x, plan.blocks[0].attn_norm, eps, buf.h, stream, geometry)
     for li in range(len(plan.blocks)):
         k_pool, v_pool = k_pools[li], v_pools[li]
-        on_host = isinstance(k_pool, np.ndarray)
-        if not on_host:  # (the host path's backend call reports its own)
+        if not isinstance(k_pool, np.ndarray):  # (the host path's backend call reports its own)
             backend.attention_residency.reached(k_pool, False)
-        key = ("decode", li, n)
-        launch = buf.layers.get(li)
-        if launch is None or launch.k_pool is not k_pool or launch.v_pool is not v_pool:
-            # New rings (a new state, or a host ring moved to the die): the captured graph points at the old ones.
-            graphs.invalidate(key)
-            launch = buf.layers[li] = LayerLaunch(
-                _layer_body(backend, plan, li, buf, k_pool, v_pool, eps, n_rot, freq_base, freq_scale, scale),
-                k_pool, v_pool)
-            if on_host:
-                graphs.mark_ineligible(key, GRAPH_CLASS, HOST_RING)
-            else:
-                graphs.mark_eligible(key, HOST_RING)
-        graphs.run(key, GRAPH_CLASS, launch.body, stream)
-    quant.matmul(plan.output, buf.h, buf.logits, stream, geometry)
-    return backend.to_host(buf.logits)
+        run_layer(backend, buf.layers, li, n, GRAPH_CLASS, (k_pool, v_pool),
+                  lambda: _layer_body(backend, plan, li, buf, k_pool, v_pool, eps, n_rot, freq_base, freq_scale,
+                                      scale))
+    logits = plan.logits.rows(backend, n)
+    quant.matmul(plan.output, buf.h, logits, stream, geometry)
+    return backend.to_host(logits)
 
 
-__all__ = ["CudaDecodePlan", "GRAPH_CLASS", "HOST_RING", "StepBuffers", "check_step", "run_step"]
+__all__ = ["CudaDecodePlan", "GRAPH_CLASS", "attend", "HOST_RING", "LayerLaunch", "SharedRows", "StepBuffers", "check_ids", "run_layer", "run_step",
+           "upload_ids"]

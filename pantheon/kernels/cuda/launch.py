@@ -56,7 +56,10 @@ class Geometry:
 
 HARDWARE = Geometry(mm_threads=32, mm_rows=4, norm_threads=256, ew_threads=256, attn_queries=32, dec_threads=32,
                     split_keys=256, max_splits=32, small_prefill=4, max_blocks=0)
-SIMULATED = Geometry(mm_threads=4, mm_rows=2, norm_threads=8, ew_threads=16, attn_queries=4, dec_threads=4,
+# Under the simulator a whole-model forward is mostly the matmuls' syncthreads (one per round of the split-K
+# tree, each ~1 ms per thread): 2 threads per weight row keep a round of the tree and halve a tiny qwen35moe
+# forward against 4 (71 -> 43 s for a two-slot prefill).
+SIMULATED = Geometry(mm_threads=2, mm_rows=2, norm_threads=8, ew_threads=16, attn_queries=4, dec_threads=4,
                      split_keys=8, max_splits=4, small_prefill=2, max_blocks=2)
 GEOMETRY = SIMULATED if SIMULATOR else HARDWARE
 

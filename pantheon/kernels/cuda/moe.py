@@ -3,7 +3,8 @@
 Expert weights are pantheon.kernels.cpu.moe.ExpertWeights over a CudaWeight (a stacked GGUF tensor in device
 memory; the layout object is backend-neutral). `moe_ffn` groups the (token, rank) pairs by expert on the host,
 as the cpu backend does, so it copies the top-k ids (T x k int32) to the host once per MoE layer: a sync, and
-a step that contains it cannot be captured as one CUDA graph (device-side grouping is later work). Each
+a step that contains it cannot be captured as a CUDA graph. A decode step takes `moe_ffn_pairs` instead: one
+tile per (token, rank) pair, its expert read on the device, nothing on the host (the same bits). Each
 expert's pairs are cut into tiles of at most BATCH_TILE rows; `quant.expert_matmul` runs every tile through
 its expert's rows, with the dense matmul's per-row instructions, so a token's result does not depend on which
 other tokens share its experts, and the combine sums its experts in its own top-k order (batch invariance).
@@ -12,6 +13,7 @@ other tokens share its experts, and the combine sums its experts in its own top-
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -66,15 +68,19 @@ def _combine_kernel(y, pair_of, weights, out):
         out[t, i] = acc
 
 
-def moe_route(logits: Any, k: int, stream: Any = 0, geometry: Geometry = GEOMETRY) -> tuple[Any, Any]:
-    """softmax -> top-k -> renormalise over router logits (T, E): (ids int32 (T, k), weights float32 (T, k))."""
+def moe_route(logits: Any, k: int, stream: Any = 0, geometry: Geometry = GEOMETRY,
+              out: tuple[Any, Any] | None = None) -> tuple[Any, Any]:
+    """softmax -> top-k -> renormalise over router logits (T, E): (ids int32 (T, k), weights float32 (T, k)),
+    into `out` when given."""
     n_tok, n_experts = logits.shape
     if not 1 <= k <= n_experts:
         raise ValueError(f"moe_route: cannot pick {k} of {n_experts} experts")
     if n_experts > MAX_EXPERTS:
         raise ValueError(f"moe_route: {n_experts} experts is above the kernel's limit of {MAX_EXPERTS}")
-    ids = cuda.device_array((n_tok, k), dtype=np.int32, stream=stream)
-    weights = cuda.device_array((n_tok, k), dtype=np.float32, stream=stream)
+    if out is None:
+        out = (cuda.device_array((n_tok, k), dtype=np.int32, stream=stream),
+               cuda.device_array((n_tok, k), dtype=np.float32, stream=stream))
+    ids, weights = out
     if n_tok:
         threads = geometry.ew_threads
         _moe_route_kernel[blocks(n_tok, threads=threads, geometry=geometry), threads, stream](logits, int(k), ids,
@@ -83,9 +89,19 @@ def moe_route(logits: Any, k: int, stream: Any = 0, geometry: Geometry = GEOMETR
 
 
 def _run(experts: ExpertWeights, x: Any, tiles: tuple[Any, Any, Any], n_tiles: int, stream: Any,
-         geometry: Geometry) -> Any:
+         geometry: Geometry, out: Any = None) -> Any:
     return quant.expert_matmul(experts.weight, experts.stride, experts.offset, experts.rows, x, tiles, n_tiles,
-                               stream, geometry)
+                               stream, geometry, out)
+
+
+def _check_ffn(x: Any, gate: ExpertWeights, up: ExpertWeights, down: ExpertWeights, weights: Any, out: Any,
+               n_tok: int, k: int) -> None:
+    if (gate.cols != x.shape[1] or up.cols != x.shape[1] or up.rows != gate.rows or down.cols != gate.rows
+            or down.rows != x.shape[1] or tuple(out.shape) != tuple(x.shape) or tuple(weights.shape) != (n_tok, k)
+            or not gate.n_experts == up.n_experts == down.n_experts):
+        raise ValueError(f"moe_ffn shapes do not fit: x {tuple(x.shape)}, gate {gate.rows}x{gate.cols}, "
+                         f"up {up.rows}x{up.cols}, down {down.rows}x{down.cols}, ids {(n_tok, k)}, "
+                         f"out {tuple(out.shape)}")
 
 
 def moe_ffn(x: Any, gate: ExpertWeights, up: ExpertWeights, down: ExpertWeights, ids: Any, weights: Any, out: Any,
@@ -93,12 +109,7 @@ def moe_ffn(x: Any, gate: ExpertWeights, up: ExpertWeights, down: ExpertWeights,
     """out[t] += sum_r weights[t, r] * down_e(silu(gate_e x_t) * up_e x_t), e = ids[t, r]; `ids_host` is the host
     copy of ids (the backend makes it). x (T, D), weights (T, k) device arrays; returns out."""
     n_tok, k = ids_host.shape
-    if (gate.cols != x.shape[1] or up.cols != x.shape[1] or up.rows != gate.rows or down.cols != gate.rows
-            or down.rows != x.shape[1] or tuple(out.shape) != tuple(x.shape) or tuple(weights.shape) != (n_tok, k)
-            or not gate.n_experts == up.n_experts == down.n_experts):
-        raise ValueError(f"moe_ffn shapes do not fit: x {tuple(x.shape)}, gate {gate.rows}x{gate.cols}, "
-                         f"up {up.rows}x{up.cols}, down {down.rows}x{down.cols}, ids {ids_host.shape}, "
-                         f"out {tuple(out.shape)}")
+    _check_ffn(x, gate, up, down, weights, out, n_tok, k)
     if n_tok == 0:
         return out
     flat = ids_host.reshape(-1)
@@ -123,13 +134,66 @@ def moe_ffn(x: Any, gate: ExpertWeights, up: ExpertWeights, down: ExpertWeights,
     act = ops.swiglu(_run(gate, xs, tiles, n_tiles, stream, geometry), _run(up, xs, tiles, n_tiles, stream, geometry),
                      stream=stream, geometry=geometry)
     y = _run(down, act, tiles, n_tiles, stream, geometry)
-    pair_dev = cuda.to_device(pair_of.reshape(n_tok, k), stream=stream)
+    _combine(y, cuda.to_device(pair_of.reshape(n_tok, k), stream=stream), weights, out, stream, geometry)
+    return out
+
+
+def _combine(y: Any, pair_of: Any, weights: Any, out: Any, stream: Any, geometry: Geometry) -> None:
     n = out.shape[0] * out.shape[1]
     threads = geometry.ew_threads
-    _combine_kernel[blocks(n, threads=threads, geometry=geometry), threads, stream](y, pair_dev, weights, out)
+    _combine_kernel[blocks(n, threads=threads, geometry=geometry), threads, stream](y, pair_of, weights, out)
+
+
+@dataclass
+class PairBuffers:
+    """The arrays `moe_ffn_pairs` uses for T tokens of k experts each (P = T k pairs, in (token, rank) order),
+    allocated once: the pairs' token rows, one tile per pair, and the intermediate activations."""
+
+    rows: Any  # int64 (P,): the token of each pair
+    tile_start: Any  # int64 (P,): pair p is tile p ...
+    tile_count: Any  # ... of one row
+    pair_of: Any  # int64 (T, k): the pair of (token, rank), for the combine
+    xs: Any  # (P, D)
+    gate: Any  # (P, F)
+    up: Any
+    act: Any
+    y: Any  # (P, D)
+
+
+def pair_buffers(n_tok: int, k: int, d_model: int, ffn: int, stream: Any = 0) -> PairBuffers:
+    pairs = np.arange(n_tok * k, dtype=np.int64)
+
+    def empty(cols: int) -> Any:
+        return cuda.device_array((n_tok * k, cols), dtype=np.float32, stream=stream)
+
+    return PairBuffers(rows=cuda.to_device(pairs // k, stream=stream), tile_start=cuda.to_device(pairs, stream=stream),
+                       tile_count=cuda.to_device(np.ones_like(pairs), stream=stream),
+                       pair_of=cuda.to_device(pairs.reshape(n_tok, k), stream=stream), xs=empty(d_model),
+                       gate=empty(ffn), up=empty(ffn), act=empty(ffn), y=empty(d_model))
+
+
+def moe_ffn_pairs(x: Any, gate: ExpertWeights, up: ExpertWeights, down: ExpertWeights, ids: Any, weights: Any,
+                  out: Any, bufs: PairBuffers, stream: Any = 0, geometry: Geometry = GEOMETRY) -> Any:
+    """`moe_ffn` without the host: every (token, rank) pair is its own tile, its expert read from `ids` on the
+    device, so nothing waits for the router and the launches can be captured in a graph. The same bits as the
+    grouped form (a row's products do not depend on its tile-mates, and the combine keeps top-k order); each
+    pair reads its expert's rows on its own, so it suits a decode step's few tokens, not a prefill. `ids` come
+    from `moe_route` (always in range)."""
+    n_tok, k = ids.shape
+    _check_ffn(x, gate, up, down, weights, out, n_tok, k)
+    if n_tok == 0:
+        return out
+    n_pairs = n_tok * k
+    ops.gather_rows(x, bufs.rows, stream, geometry, out=bufs.xs)
+    tiles = (ids.reshape(n_pairs), bufs.tile_start, bufs.tile_count)
+    _run(gate, bufs.xs, tiles, n_pairs, stream, geometry, bufs.gate)
+    _run(up, bufs.xs, tiles, n_pairs, stream, geometry, bufs.up)
+    ops.swiglu(bufs.gate, bufs.up, bufs.act, stream, geometry)
+    _run(down, bufs.act, tiles, n_pairs, stream, geometry, bufs.y)
+    _combine(bufs.y, bufs.pair_of, weights, out, stream, geometry)
     return out
 
 
 KERNELS = {"moe_route": _moe_route_kernel, "combine": _combine_kernel}
 
-__all__ = ["MAX_EXPERTS", "moe_ffn", "moe_route"]
+__all__ = ["MAX_EXPERTS", "PairBuffers", "moe_ffn", "moe_ffn_pairs", "moe_route", "pair_buffers"]

@@ -217,9 +217,11 @@ def _gather_rows_kernel(x, rows, out):
         out[r, c] = x[rows[r], c]
 
 
-def gather_rows(x: Any, rows: Any, stream: Any = 0, geometry: Geometry = GEOMETRY) -> Any:
-    """x[rows] for x (T, D) and a 1-D integer device array of row ids (checked by the caller)."""
-    out = cuda.device_array((rows.shape[0], x.shape[1]), dtype=x.dtype, stream=stream)
+def gather_rows(x: Any, rows: Any, stream: Any = 0, geometry: Geometry = GEOMETRY, out: Any = None) -> Any:
+    """x[rows] for x (T, D) and a 1-D integer device array of row ids (checked by the caller), into `out` when
+    given."""
+    if out is None:
+        out = cuda.device_array((rows.shape[0], x.shape[1]), dtype=x.dtype, stream=stream)
     n = rows.shape[0] * x.shape[1]
     if n:
         threads = geometry.ew_threads

@@ -119,10 +119,12 @@ def matmul(w: CudaWeight, x: Any, out: Any = None, stream: Any = 0, geometry: Ge
 
 
 def expert_matmul(w: CudaWeight, stride: int, offset: int, n_rows: int, x: Any, tiles: tuple[Any, Any, Any],
-                  n_tiles: int, stream: Any = 0, geometry: Geometry = GEOMETRY) -> Any:
-    """(P, n_rows) = the rows of x through their experts' matrices; `tiles` = (expert, start, count) int64
-    device arrays of n_tiles tiles of at most BATCH_TILE consecutive rows of x that share an expert."""
-    out = cuda.device_array((x.shape[0], n_rows), dtype=np.float32, stream=stream)
+                  n_tiles: int, stream: Any = 0, geometry: Geometry = GEOMETRY, out: Any = None) -> Any:
+    """(P, n_rows) = the rows of x through their experts' matrices (into `out` when given); `tiles` = (expert,
+    start, count) integer device arrays of n_tiles tiles of at most BATCH_TILE consecutive rows of x that share
+    an expert."""
+    if out is None:
+        out = cuda.device_array((x.shape[0], n_rows), dtype=np.float32, stream=stream)
     if n_tiles == 0:
         return out
     ny, nx = geometry.mm_rows, geometry.mm_threads

@@ -185,11 +185,13 @@ def causal_conv1d(x: Any, states: Any, weight: Any, slot_ids: Any, out: Any = No
     return out
 
 
-def gdn_gates(b: Any, alpha: Any, a: Any, dt_bias: Any, stream: Any = 0,
-              geometry: Geometry = GEOMETRY) -> tuple[Any, Any]:
-    """(g, beta) = (a * softplus(alpha + dt_bias), sigmoid(b)) for b, alpha (T, Nv)."""
-    g = cuda.device_array(alpha.shape, dtype=np.float32, stream=stream)
-    beta = cuda.device_array(b.shape, dtype=np.float32, stream=stream)
+def gdn_gates(b: Any, alpha: Any, a: Any, dt_bias: Any, stream: Any = 0, geometry: Geometry = GEOMETRY,
+              out: tuple[Any, Any] | None = None) -> tuple[Any, Any]:
+    """(g, beta) = (a * softplus(alpha + dt_bias), sigmoid(b)) for b, alpha (T, Nv), into `out` when given."""
+    if out is None:
+        out = (cuda.device_array(alpha.shape, dtype=np.float32, stream=stream),
+               cuda.device_array(b.shape, dtype=np.float32, stream=stream))
+    g, beta = out
     n = b.shape[0] * b.shape[1]
     if n:
         threads = geometry.ew_threads
