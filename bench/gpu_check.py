@@ -4,8 +4,9 @@ It (1) finds the GPU, (2) installs pantheon's dependencies from wheels carried a
 the kernel tests on the device (tests/cuda with the simulator off: every kernel against the numpy references, a
 tiny llama against the cpu backend, the driver-API graph capture), (4) measures each kernel's achieved bandwidth
 as a fraction of a measured device-to-device copy, then the default model's shapes and a random-weight qwen35moe
-with the 35B-A3B layer shapes on CudaBackend (prefill tok/s, decode tok/s at batch 1 and 8, the logits against the
-cpu backend's), and (5) serves the default model's shapes and asks one chat completion, reporting `backend`,
+with the 35B-A3B layer shapes on CudaBackend (prefill tok/s, decode tok/s at batch 1 and 8, the graphs and attention
+counters, the logits against the cpu backend's), and the default model's decode with its layers replayed as CUDA
+graphs against the same kernels launched directly, and (5) serves the default model's shapes and asks one chat completion, reporting `backend`,
 `accelerator`, `/admin/dies` and `/admin/models`. It prints each step and writes <out>/<date>-gpu_check.json and
 a log per step. Without a GPU it stops at step 1 ("no GPU found", exit 3).
 
@@ -403,8 +404,24 @@ def inner_measure(args: argparse.Namespace) -> dict:
             write_model(path, layers, experts)
         return {"layers": layers, "experts": experts, **timed_and_checked(path, 256, steps // 2, 16, 2)}
 
+    def graphs_vs_direct() -> dict:
+        """The llama twin's decode with each layer replayed from its CUDA graph, then with the same model's
+        kernels launched directly (its capture layer swapped for one that cannot capture)."""
+        from pantheon.kernels.cuda.graphs import UnsupportedCapture
+
+        gpu = load_model(open_gguf(_llama_path(args), env.cache_dir), CudaBackend())
+        prompt = np.random.default_rng(64).integers(100, 1000, 64).astype(np.int32)
+        graphed = _speed(gpu, prompt, steps)
+        counters = gpu.backend.graphs.counters()
+        gpu.backend.graphs.capture = UnsupportedCapture("direct launches, for comparison")
+        gpu.backend.graphs.invalidate()
+        direct = _speed(gpu, prompt, steps)
+        return {"graphs": counters, **{f"{k}_graphs": v for k, v in graphed.items() if k.startswith("decode")},
+                **{f"{k}_direct": v for k, v in direct.items() if k.startswith("decode")}}
+
     part("llama", lambda: timed_and_checked(_llama_path(args), 512, steps, 32, 4))
     part("hybrid", hybrid)
+    part("graphs_vs_direct", graphs_vs_direct)
     return report
 
 

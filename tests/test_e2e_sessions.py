@@ -13,7 +13,6 @@ import hashlib
 import json
 import random
 import re
-import shutil
 import signal
 import socket
 import struct

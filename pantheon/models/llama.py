@@ -254,7 +254,7 @@ class LlamaModel:
         """`forward` in two parts: the inputs checked and built here, the compute in the returned call. The
         scheduler hands the previous decode step's tokens to the event loop between the two, so that the loop
         wakes while this thread computes without the GIL instead of while it still needs it."""
-        c, be = self.config, self.backend
+        be = self.backend
         begin_forward(be, state.k, state.v)
         for row in batch:
             if row.start_pos + len(row.tokens) > state.ctx_cap:
