@@ -17,6 +17,7 @@ from pantheon.errors import ModelLoadError
 from pantheon.io.chat_template import ChatTemplate, TemplateRenderError
 from pantheon.io.gguf_file import GGUFFile, open_gguf
 from pantheon.io.tokenizer import Tokenizer, TokenizerError
+from pantheon.models.base import layer_backend
 from pantheon.models.registry import load_model
 
 
@@ -120,9 +121,25 @@ class QuantizeAtLoad:
     def __init__(self, inner: Any, quantized: list[int] | None = None) -> None:
         self._inner = inner
         self.quantized = quantized if quantized is not None else [0]  # matrices quantized so far (shared)
+        self._views: dict[int, QuantizeAtLoad] = {}  # the same view of each die's backend (model on several dies)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
+
+    def _view(self, inner: Any) -> "QuantizeAtLoad":
+        if inner is self._inner:
+            return self
+        if id(inner) not in self._views:
+            self._views[id(inner)] = QuantizeAtLoad(inner, self.quantized)
+        return self._views[id(inner)]
+
+    def for_layer(self, layer: int, n_layers: int) -> "QuantizeAtLoad":
+        """On several dies, this view of the layer's die (its matrices quantized too); else this view."""
+        return self._view(layer_backend(self._inner, layer, n_layers))
+
+    @property
+    def last(self) -> "QuantizeAtLoad":
+        return self._view(getattr(self._inner, "last", self._inner))
 
     def without_int8(self) -> "QuantizeAtLoad":
         """The inner backend's float-activation view, still quantizing at load (a model that asks for it, the

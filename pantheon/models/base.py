@@ -53,6 +53,12 @@ def begin_forward(backend: Any, k_pools: list[Any], v_pools: list[Any]) -> None:
         heal_rings(k_pools, v_pools)
 
 
+def layer_backend(backend: Any, layer: int, n_layers: int) -> Any:
+    """The backend that holds layer `layer`: `backend`, or on several dies the one of the layer's die."""
+    for_layer = getattr(backend, "for_layer", None)
+    return backend if for_layer is None else for_layer(layer, n_layers)
+
+
 def output_logits(backend: Any, output: Any, h: Any, batch: list[BatchRow], offsets: Any, vocab_size: int) -> np.ndarray:
     """The logits of the positions the batch asks for. `h` holds the final-normed hidden state of every
     token of the step (rows in batch order, `offsets` the row boundaries); only the wanted rows go through

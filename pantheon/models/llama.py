@@ -16,7 +16,7 @@ import numpy as np
 
 from pantheon.errors import ModelLoadError
 from pantheon.io.gguf_file import GGUFFile
-from pantheon.models.base import ArchMetadata, BatchRow, begin_forward, output_logits
+from pantheon.models.base import ArchMetadata, BatchRow, begin_forward, layer_backend, output_logits
 
 
 @dataclass(frozen=True)
@@ -109,6 +109,9 @@ class LlamaModel:
                  output_norm: np.ndarray, output: Any) -> None:
         self.config = config
         self.backend = backend
+        # The backend of each layer, and of the output: all `backend` but on several dies (kernels/cuda/segments.py).
+        self.layer_backends = [layer_backend(backend, li, config.n_layers) for li in range(config.n_layers)]
+        self.output_backend = getattr(backend, "last", backend)
         # The element type of the KV cache, and so of a session blob's arrays.
         self.state_dtype = np.dtype(backend.kv_dtype)
         # Backends with the fused kernels for the stacked projections (`rope_qkv_into_cache`, `swiglu_stacked`)
@@ -139,22 +142,27 @@ class LlamaModel:
         blocks = []
         for i in range(cfg.n_layers):
             p = f"blk.{i}."
+            be = layer_backend(backend, i, cfg.n_layers)
             blocks.append(LlamaBlock(
-                attn_norm=backend.vector(gguf, need(p + "attn_norm.weight")),
-                wq=backend.weight(gguf, need(p + "attn_q.weight")),
-                wk=backend.weight(gguf, need(p + "attn_k.weight")),
-                wv=backend.weight(gguf, need(p + "attn_v.weight")),
-                wo=backend.weight(gguf, need(p + "attn_output.weight")),
-                ffn_norm=backend.vector(gguf, need(p + "ffn_norm.weight")),
-                w_gate=backend.weight(gguf, need(p + "ffn_gate.weight")),
-                w_up=backend.weight(gguf, need(p + "ffn_up.weight")),
-                w_down=backend.weight(gguf, need(p + "ffn_down.weight")),
-                w_qkv=_stacked(gguf, backend, [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"]),
-                w_gate_up=_stacked(gguf, backend, [p + "ffn_gate.weight", p + "ffn_up.weight"]),
+                attn_norm=be.vector(gguf, need(p + "attn_norm.weight")),
+                wq=be.weight(gguf, need(p + "attn_q.weight")),
+                wk=be.weight(gguf, need(p + "attn_k.weight")),
+                wv=be.weight(gguf, need(p + "attn_v.weight")),
+                wo=be.weight(gguf, need(p + "attn_output.weight")),
+                ffn_norm=be.vector(gguf, need(p + "ffn_norm.weight")),
+                w_gate=be.weight(gguf, need(p + "ffn_gate.weight")),
+                w_up=be.weight(gguf, need(p + "ffn_up.weight")),
+                w_down=be.weight(gguf, need(p + "ffn_down.weight")),
+                w_qkv=_stacked(gguf, be, [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"]),
+                w_gate_up=_stacked(gguf, be, [p + "ffn_gate.weight", p + "ffn_up.weight"]),
             ))
         tok_embd = backend.weight(gguf, need("token_embd.weight"))
-        output = backend.weight(gguf, "output.weight") if "output.weight" in gguf.tensors else tok_embd
-        model = cls(cfg, backend, tok_embd, blocks, backend.vector(gguf, need("output_norm.weight")), output)
+        last = getattr(backend, "last", backend)  # on several dies: the output on the last one
+        if "output.weight" in gguf.tensors:
+            output = last.weight(gguf, "output.weight")
+        else:  # tied: the embedding itself, or its copy on the last die
+            output = tok_embd if last is backend else last.weight(gguf, need("token_embd.weight"))
+        model = cls(cfg, backend, tok_embd, blocks, last.vector(gguf, need("output_norm.weight")), output)
         model._check_shapes()
         return model
 
@@ -174,10 +182,10 @@ class LlamaModel:
 
     # -- state ---------------------------------------------------------------------------------------------
     def new_state(self, n_slots: int, ctx_cap: int) -> KVState:
-        c, be = self.config, self.backend
+        c = self.config
         shape = (n_slots, ctx_cap, c.n_kv_heads, c.head_dim)
-        return KVState(k=[be.kv_pool(*shape, self.state_dtype) for _ in range(c.n_layers)],
-                       v=[be.kv_pool(*shape, self.state_dtype) for _ in range(c.n_layers)], ctx_cap=ctx_cap)
+        return KVState(k=[be.kv_pool(*shape, self.state_dtype) for be in self.layer_backends],
+                       v=[be.kv_pool(*shape, self.state_dtype) for be in self.layer_backends], ctx_cap=ctx_cap)
 
     def state_dims(self) -> dict[str, int]:
         """The geometry a session blob must match to be restored into this model."""
@@ -186,9 +194,9 @@ class LlamaModel:
 
     def read_slot(self, state: KVState, slot: int, n_tokens: int) -> list[tuple[str, np.ndarray]]:
         """Copies of one slot's state for its first n_tokens positions (for a session blob)."""
-        be = self.backend
         arrays = []
-        for li in range(self.config.n_layers):
+        for li, be in enumerate(self.layer_backends):
+            be.begin_step()  # the die of the layer's rings current on this thread
             # np.array copies: a host view must not alias the live pool (on cuda to_host already copies).
             arrays.append((f"k{li}", np.array(be.to_host(state.k[li][slot, :n_tokens]))))
             arrays.append((f"v{li}", np.array(be.to_host(state.v[li][slot, :n_tokens]))))
@@ -202,7 +210,8 @@ class LlamaModel:
     def write_slot(self, state: KVState, slot: int, arrays: list[tuple[str, np.ndarray]], n_tokens: int) -> None:
         """Install state read by read_slot. The caller has checked the layout with slot_layout."""
         by_name = dict(arrays)
-        for li in range(self.config.n_layers):
+        for li, be in enumerate(self.layer_backends):
+            be.begin_step()  # the die of the layer's rings current on this thread
             state.k[li][slot, :n_tokens] = by_name[f"k{li}"]
             state.v[li][slot, :n_tokens] = by_name[f"v{li}"]
 
@@ -212,8 +221,9 @@ class LlamaModel:
     def copy_prefix(self, state: KVState, src: int, dst: int, n_tokens: int) -> None:
         """Slot dst's first n_tokens positions become slot src's (a new conversation starting from what it shares
         with another one)."""
-        for pool in (*state.k, *state.v):
-            self.backend.copy_kv_rows(pool, src, dst, n_tokens)
+        for be, k, v in zip(self.layer_backends, state.k, state.v):
+            be.copy_kv_rows(k, src, dst, n_tokens)
+            be.copy_kv_rows(v, src, dst, n_tokens)
 
     def state_bytes(self, n_slots: int, ctx_cap: int) -> int:
         """Memory of new_state(n_slots, ctx_cap) once every slot is full."""
@@ -224,11 +234,11 @@ class LlamaModel:
         return 2 * c.n_layers * c.n_kv_heads * c.head_dim * self.state_dtype.itemsize
 
     # -- forward -------------------------------------------------------------------------------------------
-    def _rotated_queries(self, blk: LlamaBlock, h: Any, k_pool: Any, v_pool: Any, token_slots: Any,
+    def _rotated_queries(self, be: Any, blk: LlamaBlock, h: Any, k_pool: Any, v_pool: Any, token_slots: Any,
                          positions: Any, n_tok: int) -> Any:
-        """The queries (T, Hq, hd) of normed input h, rotated; the rotated keys and the values written to the
-        caches at (token_slots, positions)."""
-        c, be = self.config, self.backend
+        """The queries (T, Hq, hd) of normed input h, rotated (on `be`, the layer's backend); the rotated keys
+        and the values written to the caches at (token_slots, positions)."""
+        c = self.config
         if blk.w_qkv is not None and self._fused_ops:
             # Split, rotated and written to the caches in one kernel.
             return be.rope_qkv_into_cache(be.matmul(blk.w_qkv, h), c.n_heads, k_pool, v_pool, token_slots,
@@ -307,14 +317,19 @@ class LlamaModel:
             be.decode_layers(plan, x, h, c.rms_eps, *state.kernel_pools, token_slots, positions, c.n_heads,
                              c.rope_dim, c.rope_base, c.rope_scale, scale)
             return output_logits(be, self.output, h, batch, offsets, c.vocab_size)
+        here = self.layer_backends[0] if self.layer_backends else be
         for li, blk in enumerate(self.blocks):
+            be = self.layer_backends[li]
+            if be is not here:  # the next die's segment (kernels/cuda/segments.py)
+                x, h, positions, token_slots = self.backend.hand_over((x, h, positions, token_slots), here, be)
+                here = be
             k_pool, v_pool = state.k[li], state.v[li]
             if decode_only and blk.w_qkv is not None and self._fused_decode:
                 # Rotation, cache writes and attention of the whole batch in one launch.
                 attn = be.attention_decode_qkv(be.matmul(blk.w_qkv, h), c.n_heads, k_pool, v_pool, token_slots,
                                                positions, c.rope_dim, c.rope_base, False, scale, c.rope_scale)
             else:
-                q = self._rotated_queries(blk, h, k_pool, v_pool, token_slots, positions, n_tok)
+                q = self._rotated_queries(be, blk, h, k_pool, v_pool, token_slots, positions, n_tok)
                 if decode_only:
                     # One token per sequence: one batched launch over (sequence, head).
                     attn = be.attention_decode_batch(q, k_pool, v_pool, positions, scale, slot_ids=token_slots)
@@ -334,5 +349,7 @@ class LlamaModel:
             next_norm = self.blocks[li + 1].attn_norm if li + 1 < len(self.blocks) else self.output_norm
             be.add_rmsnorm(x, d, next_norm, c.rms_eps, h)
 
+        if self.output_backend is not here:
+            (h,) = self.backend.hand_over((h,), here, self.output_backend)
         # h now holds output_norm(x) for every position.
-        return output_logits(be, self.output, h, batch, offsets, c.vocab_size)
+        return output_logits(self.output_backend, self.output, h, batch, offsets, c.vocab_size)

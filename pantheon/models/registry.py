@@ -16,6 +16,10 @@ ARCHITECTURES: dict[str, Any] = {
     "qwen3next": Qwen35Model,
 }
 
+# The architectures whose layers can be split over several dies (their models place each layer on
+# `models.base.layer_backend`); the others load on one die.
+SEGMENTED_ARCHITECTURES = ("llama",)
+
 
 def load_model(gguf: GGUFFile, backend: Any) -> Any:
     arch = gguf.architecture

@@ -21,6 +21,7 @@ from pantheon.config import MAX_MODEL_DIES, EnvKnobs, ModelOptions
 from pantheon.engine.loader import LoadedModel, load_served_model, read_model_file
 from pantheon.errors import ApiError, ModelLoadError
 from pantheon.metrics import Metrics
+from pantheon.models.registry import SEGMENTED_ARCHITECTURES
 from pantheon.sched.forward_thread import ForwardThread
 from pantheon.sched.memory import read_meminfo
 from pantheon.sched.registry import ModelInstance, Registry
@@ -100,11 +101,17 @@ class ModelManager:
             return 1 << 62
 
     def _backend_for(self, options: ModelOptions) -> Any:
-        """The model's first die when it names dies, else the least-used visible die, else the host."""
+        """The model's die when it names one, its dies' segments when it names several, else the least-used
+        visible die, else the host."""
         if self.dies_visible == 0:
             return self.backend
         from pantheon.kernels.cuda import make_backend
 
+        if len(options.dies) > 1:
+            from pantheon.kernels.cuda.segments import DieSegments
+
+            return DieSegments([make_backend(die=d, die_manager=self.die_manager, owner=options.name)
+                                for d in options.dies])
         die = options.dies[0] if options.dies else min(range(self.dies_visible), key=self.die_manager.used)
         return make_backend(die=die, die_manager=self.die_manager, owner=options.name)
 
@@ -113,10 +120,15 @@ class ModelManager:
         async with self._load_lock:
             self._validate(options)  # again: the registry may have changed while we waited
             try:
-                backend = self._backend_for(options)
                 # Reading the file needs no forward thread (see ModelFile): there every other model's decode
                 # steps would wait behind it (3.5 s of metadata parsing for a new tiny model on the 2-core VM).
                 file = await trio.to_thread.run_sync(read_model_file, options, self.env)
+                if len(options.dies) > 1 and file.gguf.architecture not in SEGMENTED_ARCHITECTURES:
+                    file.gguf.close()
+                    raise load_failed(400, f"a {file.gguf.architecture} model runs on one die: splitting its "
+                                      f"layers over several dies is built for {', '.join(SEGMENTED_ARCHITECTURES)} "
+                                      f"models only (name one die in 'dies')")
+                backend = self._backend_for(options)
                 served: LoadedModel = await self._forward_thread(backend).run(
                     load_served_model, options, self.env, backend, file)
             except FileNotFoundError as exc:
