@@ -17,7 +17,7 @@ from pantheon.errors import ModelLoadError
 from pantheon.io.chat_template import ChatTemplate, TemplateRenderError
 from pantheon.io.gguf_file import GGUFFile, open_gguf
 from pantheon.io.tokenizer import Tokenizer, TokenizerError
-from pantheon.models.base import layer_backend
+from pantheon.models.base import last_backend, layer_backend
 from pantheon.models.registry import load_model
 
 
@@ -139,7 +139,7 @@ class QuantizeAtLoad:
 
     @property
     def last(self) -> "QuantizeAtLoad":
-        return self._view(getattr(self._inner, "last", self._inner))
+        return self._view(last_backend(self._inner))
 
     def without_int8(self) -> "QuantizeAtLoad":
         """The inner backend's float-activation view, still quantizing at load (a model that asks for it, the

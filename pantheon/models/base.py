@@ -59,6 +59,11 @@ def layer_backend(backend: Any, layer: int, n_layers: int) -> Any:
     return backend if for_layer is None else for_layer(layer, n_layers)
 
 
+def last_backend(backend: Any) -> Any:
+    """The backend that holds the output norm and matrix: `backend`, or on several dies the last one's."""
+    return getattr(backend, "last", backend)
+
+
 def output_logits(backend: Any, output: Any, h: Any, batch: list[BatchRow], offsets: Any, vocab_size: int) -> np.ndarray:
     """The logits of the positions the batch asks for. `h` holds the final-normed hidden state of every
     token of the step (rows in batch order, `offsets` the row boundaries); only the wanted rows go through

@@ -16,7 +16,7 @@ import numpy as np
 
 from pantheon.errors import ModelLoadError
 from pantheon.io.gguf_file import GGUFFile
-from pantheon.models.base import ArchMetadata, BatchRow, begin_forward, layer_backend, output_logits
+from pantheon.models.base import ArchMetadata, BatchRow, begin_forward, last_backend, layer_backend, output_logits
 
 
 @dataclass(frozen=True)
@@ -111,7 +111,7 @@ class LlamaModel:
         self.backend = backend
         # The backend of each layer, and of the output: all `backend` but on several dies (kernels/cuda/segments.py).
         self.layer_backends = [layer_backend(backend, li, config.n_layers) for li in range(config.n_layers)]
-        self.output_backend = getattr(backend, "last", backend)
+        self.output_backend = last_backend(backend)
         # The element type of the KV cache, and so of a session blob's arrays.
         self.state_dtype = np.dtype(backend.kv_dtype)
         # Backends with the fused kernels for the stacked projections (`rope_qkv_into_cache`, `swiglu_stacked`)
@@ -157,7 +157,7 @@ class LlamaModel:
                 w_gate_up=_stacked(gguf, be, [p + "ffn_gate.weight", p + "ffn_up.weight"]),
             ))
         tok_embd = backend.weight(gguf, need("token_embd.weight"))
-        last = getattr(backend, "last", backend)  # on several dies: the output on the last one
+        last = last_backend(backend)
         if "output.weight" in gguf.tensors:
             output = last.weight(gguf, "output.weight")
         else:  # tied: the embedding itself, or its copy on the last die

@@ -16,7 +16,7 @@ A layer whose KV ring lives in host memory (attention residency) runs its cache 
 which needs syncs; its slot is ineligible while that lasts, and eligible again once the ring is back on the die.
 A ring that moves (a new state, or one healed onto the die) gets its layer's graphs dropped and captured anew.
 
-`run_layer`, `attend`, `check_ids`, `upload_ids` and `SharedRows` serve the Qwen3.5-family step too
+`step_ids`, `embed_step`, `run_layer`, `attend`, `step_logits` and `SharedRows` serve the Qwen3.5-family step too
 (hybrid_step.py).
 """
 
@@ -76,12 +76,6 @@ def run_layer(backend: Any, layers: dict[int, LayerLaunch], li: int, n: int, gra
     graphs.run(key, graph_class, launch.body, backend.stream)
 
 
-def upload_ids(stream: Any, pairs: tuple[tuple[np.ndarray, Any], ...]) -> None:
-    """Each host array into its step buffer, on the stream, before the step's first launch (never captured)."""
-    for host, device in pairs:
-        device.copy_to_device(host, stream=stream)
-
-
 def attend(backend: Any, q: Any, k: Any, v: Any, k_pool: Any, v_pool: Any, slots: Any, positions: Any, scale: float,
            out: Any, scratch: ops.DecodeScratch) -> None:
     """The decode step's cache writes and attention (q (n, Hq, hd), k and v (n, Hkv, hd)) into out: on the die
@@ -99,12 +93,14 @@ def attend(backend: Any, q: Any, k: Any, v: Any, k_pool: Any, v_pool: Any, slots
                                stream=stream, geometry=geometry)
 
 
-def check_ids(tokens: np.ndarray, slots: np.ndarray, positions: np.ndarray, vocab_rows: int, n_slots: int,
-              ctx: int) -> None:
-    """The errors the cpu backend's decode step raises: IndexError for a token id outside the embedding,
-    ValueError for a slot or position outside the caches or two rows on one slot."""
-    if len(tokens) != len(slots) or len(slots) != len(positions):
-        raise ValueError(f"decode step: {len(tokens)} tokens, {len(slots)} slots, {len(positions)} positions")
+def step_ids(tokens: np.ndarray, slots: np.ndarray, positions: np.ndarray, vocab_rows: int, n_slots: int,
+             ctx: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A decode step's ids as the step buffers take them (int64 tokens, int32 slots and positions), after the
+    checks the cpu backend's decode step makes: IndexError for a token id outside the embedding, ValueError for
+    a slot or position outside the caches or two rows on one slot."""
+    tokens = np.ascontiguousarray(tokens, dtype=np.int64)
+    slots = np.ascontiguousarray(slots, dtype=np.int32)
+    positions = np.ascontiguousarray(positions, dtype=np.int32)
     if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab_rows):
         bad = int(tokens.min()) if int(tokens.min()) < 0 else int(tokens.max())
         raise IndexError(f"token id {bad} outside [0, {vocab_rows})")
@@ -114,6 +110,25 @@ def check_ids(tokens: np.ndarray, slots: np.ndarray, positions: np.ndarray, voca
         raise ValueError(f"positions {positions.tolist()} outside a cache of {ctx}")
     if len(set(slots.tolist())) != len(slots):
         raise ValueError(f"decode step: two rows on one slot ({slots.tolist()})")
+    return tokens, slots, positions
+
+
+def embed_step(backend: Any, tok_embd: Any, first_norm: Any, eps: float, buf: Any, ids: tuple[np.ndarray, ...]
+               ) -> None:
+    """The start of a step, outside any graph: the ids (tokens, slots, positions) into buf's device buffers,
+    then buf.x = their embeddings and buf.h = buf.x normed for the first layer."""
+    stream, geometry = backend.stream, backend.geometry
+    for host, device in zip(ids, (buf.tokens, buf.slots, buf.positions)):
+        device.copy_to_device(host, stream=stream)
+    quant.embed(tok_embd, buf.tokens, stream, geometry, out=buf.x)
+    ops.rmsnorm(buf.x, first_norm, eps, buf.h, stream, geometry)
+
+
+def step_logits(backend: Any, output: Any, logits: "SharedRows", h: Any, n: int) -> np.ndarray:
+    """The end of a step, outside any graph: the output matrix over h's n rows, copied to the host."""
+    rows = logits.rows(backend, n)
+    quant.matmul(output, h, rows, backend.stream, backend.geometry)
+    return backend.to_host(rows)
 
 
 @dataclass
@@ -219,30 +234,20 @@ def run_step(backend: Any, plan: CudaDecodePlan, tokens: np.ndarray, eps: float,
              v_pools: list[Any], slots: np.ndarray, positions: np.ndarray, n_q_heads: int, n_rot: int,
              freq_base: float, freq_scale: float, scale: float) -> np.ndarray:
     """Token ids (B,) -> logits (B, output rows) on the host, for one token per row at `positions` of `slots`."""
-    tokens = np.ascontiguousarray(tokens, dtype=np.int64)
-    slots = np.ascontiguousarray(slots, dtype=np.int32)
-    positions = np.ascontiguousarray(positions, dtype=np.int32)
     n_slots, ctx, n_kv_heads = (int(s) for s in k_pools[0].shape[:3])
-    check_ids(tokens, slots, positions, plan.tok_embd.rows, n_slots, ctx)
-    n = len(tokens)
+    ids = step_ids(tokens, slots, positions, plan.tok_embd.rows, n_slots, ctx)
+    n = len(ids[0])
     if n == 0:
         return np.empty((0, int(plan.output.rows)), np.float32)
     buf = plan.buffers(backend, n, n_q_heads, n_kv_heads)
-    stream, geometry = backend.stream, backend.geometry
-    upload_ids(stream, ((tokens, buf.tokens), (slots, buf.slots), (positions, buf.positions)))
-    quant.embed(plan.tok_embd, buf.tokens, stream, geometry, out=buf.x)
-    ops.rmsnorm(buf.x, plan.blocks[0].attn_norm, eps, buf.h, stream, geometry)
+    embed_step(backend, plan.tok_embd, plan.blocks[0].attn_norm, eps, buf, ids)
     for li in range(len(plan.blocks)):
         k_pool, v_pool = k_pools[li], v_pools[li]
-        if not isinstance(k_pool, np.ndarray):  # (the host path's backend call reports its own)
-            backend.attention_residency.reached(k_pool, False)
+        backend.attention_residency.reached(k_pool, isinstance(k_pool, np.ndarray))
         run_layer(backend, buf.layers, li, n, GRAPH_CLASS, (k_pool, v_pool),
                   lambda: _layer_body(backend, plan, li, buf, k_pool, v_pool, eps, n_rot, freq_base, freq_scale,
                                       scale))
-    logits = plan.logits.rows(backend, n)
-    quant.matmul(plan.output, buf.h, logits, stream, geometry)
-    return backend.to_host(logits)
+    return step_logits(backend, plan.output, plan.logits, buf.h, n)
 
-
-__all__ = ["CudaDecodePlan", "GRAPH_CLASS", "attend", "HOST_RING", "LayerLaunch", "SharedRows", "StepBuffers", "check_ids", "run_layer", "run_step",
-           "upload_ids"]
+__all__ = ["CudaDecodePlan", "GRAPH_CLASS", "HOST_RING", "LayerLaunch", "SharedRows", "StepBuffers", "attend",
+           "embed_step", "run_layer", "run_step", "step_ids", "step_logits"]

@@ -207,8 +207,11 @@ class GraphResidency:
     def invalidate(self, key: Any = None) -> None:
         """Forget captured graphs (all, or one slot's; a slot not made yet has none) because buffers they read
         moved; they are captured again after warm-up. Failure history is kept."""
-        chosen = [self.slots[key]] if key in self.slots else []
-        for slot in (chosen if key is not None else list(self.slots.values())):
+        if key is None:
+            chosen = list(self.slots.values())
+        else:
+            chosen = [self.slots[key]] if key in self.slots else []
+        for slot in chosen:
             if slot.state is SlotState.LIVE:
                 self._drop_graph(slot)
                 slot.state, slot.warm_runs = SlotState.PENDING, 0

@@ -16,7 +16,8 @@ from typing import Any
 import numpy as np
 
 from pantheon.kernels.cuda import moe, ops, quant, ssm
-from pantheon.kernels.cuda.decode_step import LayerLaunch, SharedRows, attend, check_ids, run_layer, upload_ids
+from pantheon.kernels.cuda.decode_step import (LayerLaunch, SharedRows, attend, embed_step, run_layer, step_ids,
+                                               step_logits)
 
 
 @dataclass
@@ -174,30 +175,20 @@ def run_step(backend: Any, plan: HybridDecodePlan, state: Any, tokens: np.ndarra
     """Token ids (B,) -> logits (B, output rows) on the host, one token per row at `positions` of `slots`, the
     model's HybridState pools updated as its forward would."""
     c = plan.config
-    tokens = np.ascontiguousarray(tokens, dtype=np.int64)
-    slots = np.ascontiguousarray(slots, dtype=np.int32)
-    positions = np.ascontiguousarray(positions, dtype=np.int32)
-    check_ids(tokens, slots, positions, plan.tok_embd.rows, state.n_slots, state.ctx_cap)
-    n = len(tokens)
+    ids = step_ids(tokens, slots, positions, plan.tok_embd.rows, state.n_slots, state.ctx_cap)
+    n = len(ids[0])
     if n == 0:
         return np.empty((0, int(plan.output.rows)), np.float32)
     buf = plan.buffers(backend, n)
-    stream, geometry = backend.stream, backend.geometry
-    upload_ids(stream, ((tokens, buf.tokens), (slots, buf.slots), (positions, buf.positions)))
-    quant.embed(plan.tok_embd, buf.tokens, stream, geometry, out=buf.x)
-    ops.rmsnorm(buf.x, plan.blocks[0].attn_norm, c.rms_eps, buf.h, stream, geometry)
+    embed_step(backend, plan.tok_embd, plan.blocks[0].attn_norm, c.rms_eps, buf, ids)
     for li, recurrent in enumerate(c.recurrent):
         if recurrent:
             pools, graph_class = (state.conv[li], state.ssm[li]), "batched_ssm" if n > 1 else "single_ssm"
         else:
             pools, graph_class = (state.k[li], state.v[li]), "batched_attn"
-            if not isinstance(pools[0], np.ndarray):  # (the host path's backend call reports its own)
-                backend.attention_residency.reached(pools[0], False)
+            backend.attention_residency.reached(pools[0], isinstance(pools[0], np.ndarray))
         run_layer(backend, buf.layers, li, n, graph_class, pools,
                   lambda: _layer_body(backend, plan, li, buf, pools))
-    logits = plan.logits.rows(backend, n)
-    quant.matmul(plan.output, buf.h, logits, stream, geometry)
-    return backend.to_host(logits)
-
+    return step_logits(backend, plan.output, plan.logits, buf.h, n)
 
 __all__ = ["HybridBuffers", "HybridDecodePlan", "run_step"]

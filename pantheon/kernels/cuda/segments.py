@@ -105,10 +105,6 @@ class DieSegments:
                 k_pools[li], v_pools[li] = k, v
         self.first.begin_step()
 
-    @property
-    def weight_bytes(self) -> int:
-        return sum(die.weight_bytes for die in self.dies)
-
     def close(self) -> None:
         for die in self.dies:
             die.close()
