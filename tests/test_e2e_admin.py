@@ -459,9 +459,15 @@ def test_load_of_a_loaded_name_is_409_load_failed(main_clean: ServerProcess, def
     assert set(rows) == {"a", "b"} and rows["a"]["context_window"] == 256  # the loaded one is untouched
 
 
-@pytest.mark.parametrize("path", [MISSING, "relative/missing.gguf"])
+@pytest.mark.parametrize("path", [MISSING, "relative/missing.gguf", "/tmp/" + "x" * 300 + ".gguf"])
 def test_load_of_a_missing_file_is_404_load_failed(main_clean: ServerProcess, path: str) -> None:
-    assert_error(load(main_clean, {"path": path, "name": "m"}), 404, "load_failed")
+    assert_error(load(main_clean, {"path": path, "name": "m"}), 404, "load_failed")  # a name too long included
+    assert set(admin_rows(main_clean)) == {"a", "b"}
+
+
+def test_load_of_a_file_path_with_a_trailing_slash_is_404(main_clean: ServerProcess, default_model_path: Path) -> None:
+    # open() refuses "file.gguf/" (not a directory); the load must not find the file by dropping the slash.
+    assert_error(load(main_clean, {"path": f"{default_model_path}/", "name": "m"}), 404, "load_failed")
     assert set(admin_rows(main_clean)) == {"a", "b"}
 
 

@@ -8,7 +8,7 @@ from typing import Any
 from pantheon.config import MAX_MODEL_DIES, ModelOptions
 from pantheon.errors import ApiError, invalid_request
 from pantheon.http.asgi import Receive, Send, parse_json_body, read_body, send_json
-from pantheon.sched.manager import ModelManager
+from pantheon.sched.manager import ModelManager, load_failed
 from pantheon.sched.registry import ModelInstance, Registry
 
 
@@ -30,6 +30,8 @@ def load_options(body: Any) -> ModelOptions:
     path = body.get("path")
     if not isinstance(path, str) or not path:
         raise invalid_request("'path' is required")
+    if path.endswith("/"):  # a directory's name (Path() would drop the slash and find the file)
+        raise load_failed(404, f"model file not found: {path} (a path ending in '/' names a directory)")
     name = body.get("name")
     if name is None or name == "":
         name = Path(path).name.removesuffix(".gguf")

@@ -74,6 +74,10 @@ class LlamaBlock:
     # pass of the activations) instead of three and two. None: use the separate ones.
     w_qkv: Any = None
     w_gate_up: Any = None
+    # The norm after this layer's FFN (the next layer's attn_norm, or the output norm), on this layer's die: the
+    # same array on one die; a copy when the next layer or the output sits on another (segments.py), whose
+    # memory this die's kernels cannot read. None: the next one's own (set by LlamaModel).
+    next_norm: Any = None
 
 
 def _stacked(gguf: GGUFFile, backend: Any, names: list[str]) -> Any:
@@ -109,6 +113,9 @@ class LlamaModel:
                  output_norm: np.ndarray, output: Any) -> None:
         self.config = config
         self.backend = backend
+        for li, blk in enumerate(blocks):
+            if blk.next_norm is None:
+                blk.next_norm = blocks[li + 1].attn_norm if li + 1 < len(blocks) else output_norm
         # The backend of each layer, and of the output: all `backend` but on several dies (kernels/cuda/segments.py).
         self.layer_backends = [layer_backend(backend, li, config.n_layers) for li in range(config.n_layers)]
         self.output_backend = last_backend(backend)
@@ -162,6 +169,12 @@ class LlamaModel:
             output = last.weight(gguf, "output.weight")
         else:  # tied: the embedding itself, or its copy on the last die
             output = tok_embd if last is backend else last.weight(gguf, need("token_embd.weight"))
+        for i, blk in enumerate(blocks):
+            be, following = layer_backend(backend, i, cfg.n_layers), (
+                layer_backend(backend, i + 1, cfg.n_layers) if i + 1 < cfg.n_layers else last)
+            if be is not following:
+                blk.next_norm = be.vector(gguf, f"blk.{i + 1}.attn_norm.weight" if i + 1 < cfg.n_layers
+                                          else "output_norm.weight")
         model = cls(cfg, backend, tok_embd, blocks, last.vector(gguf, need("output_norm.weight")), output)
         model._check_shapes()
         return model
@@ -346,8 +359,7 @@ class LlamaModel:
             else:
                 ff = be.swiglu(be.matmul(blk.w_gate, h), be.matmul(blk.w_up, h))
             d = be.matmul(blk.w_down, ff)
-            next_norm = self.blocks[li + 1].attn_norm if li + 1 < len(self.blocks) else self.output_norm
-            be.add_rmsnorm(x, d, next_norm, c.rms_eps, h)
+            be.add_rmsnorm(x, d, blk.next_norm, c.rms_eps, h)
 
         if self.output_backend is not here:
             (h,) = self.backend.hand_over((h,), here, self.output_backend)

@@ -32,6 +32,14 @@ log = logging.getLogger("pantheon.models")
 MAX_INSTANCES = 16
 
 
+def _is_file(path: Path) -> bool:
+    """Whether `path` names a regular file; False, not an OSError, for a name the system refuses (too long)."""
+    try:
+        return path.is_file()
+    except OSError:
+        return False
+
+
 def load_failed(status: int, message: str) -> ApiError:
     return ApiError(status, "load_failed", message)
 
@@ -88,7 +96,7 @@ class ModelManager:
                 raise load_failed(409, f"model {options.name!r} is already loaded")
         if len(self.registry.instances) >= MAX_INSTANCES:
             raise load_failed(507, f"the model registry is full ({MAX_INSTANCES} instances)")
-        if not Path(options.path).is_file():
+        if not _is_file(Path(options.path)):
             raise load_failed(404, f"model file not found: {options.path}")
 
     def _budget_bytes(self) -> int:

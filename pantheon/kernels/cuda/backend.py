@@ -17,6 +17,7 @@ backoff, and `attention_residency` reports it all (see residency.py).
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import weakref
 from collections.abc import Iterator
@@ -45,6 +46,30 @@ _thread_die = threading.local()
 CUDA_ERROR_OUT_OF_MEMORY = 2
 
 
+def current_die() -> int | None:
+    """The die whose context the calling thread has current (None before any backend made one current)."""
+    return getattr(_thread_die, "die", None)
+
+
+def _on_its_die(cls: type) -> type:
+    """Every public method of `cls` first makes the backend's die current on the calling thread.
+
+    A model over several dies (segments.py) calls its layers' backends in turn, at load (weights, norms, rings)
+    and in a forward pass; an allocation, copy or launch made while another die's context is current would
+    land on that die, or queue on a stream of another context. Checking costs a thread-local read when the die
+    is already current, which it is for all but the first call after a switch."""
+    for name, member in list(vars(cls).items()):
+        if name.startswith("_") or not callable(member) or isinstance(member, (staticmethod, classmethod)):
+            continue
+
+        def on_die(self: Any, *args: Any, _method: Any = member, **kwargs: Any) -> Any:
+            self._activate()
+            return _method(self, *args, **kwargs)
+
+        setattr(cls, name, functools.wraps(member)(on_die))
+    return cls
+
+
 @contextlib.contextmanager
 def _out_of_memory_is_memory_error(what: str) -> Iterator[None]:
     """A failed device allocation raises MemoryError (the model manager answers 507), like a host one."""
@@ -57,6 +82,7 @@ def _out_of_memory_is_memory_error(what: str) -> Iterator[None]:
         raise
 
 
+@_on_its_die
 class CudaBackend:
     name = "cuda"
     accelerator = True
@@ -267,16 +293,18 @@ class CudaBackend:
         self._activate()
 
     def _activate(self) -> None:
-        """Make this backend's die current on the calling thread (steps run on trio's worker threads)."""
-        if SIMULATOR or getattr(_thread_die, "die", None) == self.die:
+        """Make this backend's die current on the calling thread (steps run on trio's worker threads). The
+        simulator has one context for every die; it only records which die the thread is on (`current_die`)."""
+        if getattr(_thread_die, "die", None) == self.die:
             return
-        from numba.cuda.cudadrv import devices
-        from numba.cuda.cudadrv.driver import driver
+        if not SIMULATOR:
+            from numba.cuda.cudadrv import devices
+            from numba.cuda.cudadrv.driver import driver
 
-        # Set, not push: a worker thread that ran another die's step before must not grow its context stack.
-        context = devices.gpus[self.die].get_primary_context()
-        driver.cuCtxSetCurrent(context.handle)
-        context.prepare_for_use()
+            # Set, not push: a worker thread that ran another die's step before must not grow its context stack.
+            context = devices.gpus[self.die].get_primary_context()
+            driver.cuCtxSetCurrent(context.handle)
+            context.prepare_for_use()
         _thread_die.die = self.die
 
     # -- ops -----------------------------------------------------------------------------------------------
@@ -434,4 +462,4 @@ class CudaBackend:
         return self.upload(values.astype(np.int32 if what != "token id" else np.int64))
 
 
-__all__ = ["CudaBackend"]
+__all__ = ["CudaBackend", "current_die"]

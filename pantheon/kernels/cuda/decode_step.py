@@ -31,6 +31,7 @@ import numpy as np
 from pantheon.kernels.cuda import ops, quant
 
 GRAPH_CLASS = "batched_attn"
+SEGMENT_CLASS = "segment"  # the layers of a model over several dies
 HOST_RING = "KV ring in host memory"
 
 
@@ -57,18 +58,18 @@ class SharedRows:
         return self._array[:n]
 
 
-def run_layer(backend: Any, layers: dict[int, LayerLaunch], li: int, n: int, graph_class: str,
-              pools: tuple[Any, ...], make_body: Callable[[], Callable[[], None]]) -> None:
-    """Layer li of a decode step of n rows through its graph slot ("decode", li, n). `layers` holds the batch
-    size's bodies; one is made (`make_body`) when the layer has none yet or its pools are not the ones it bound
-    (a new state, or a host ring moved to the die: a graph captured before points at the old ones). A layer
-    with a KV ring in host memory is ineligible while it is there."""
+def run_slot(backend: Any, launches: dict[Any, LayerLaunch], key: Any, graph_class: str, pools: tuple[Any, ...],
+             make_body: Callable[[], Callable[[], None]]) -> None:
+    """The launches of graph slot `key` (a layer of a decode step, or a die's segment of layers) through
+    `backend.graphs`. `launches` holds the batch size's bodies; one is made (`make_body`) when the slot has none
+    yet or its KV pools are not the ones it bound (a new state, or a host ring moved to the die: a graph
+    captured before points at the old ones). A slot with a KV ring in host memory is ineligible while it is
+    there."""
     graphs = backend.graphs
-    key = ("decode", li, n)
-    launch = layers.get(li)
+    launch = launches.get(key)
     if launch is None or any(a is not b for a, b in zip(launch.pools, pools)):
         graphs.invalidate(key)
-        launch = layers[li] = LayerLaunch(make_body(), pools)
+        launch = launches[key] = LayerLaunch(make_body(), pools)
         if any(isinstance(p, np.ndarray) for p in pools):
             graphs.mark_ineligible(key, graph_class, HOST_RING)
         else:
@@ -113,15 +114,31 @@ def step_ids(tokens: np.ndarray, slots: np.ndarray, positions: np.ndarray, vocab
     return tokens, slots, positions
 
 
+def _ids_to_device(backend: Any, buf: Any, ids: tuple[np.ndarray, ...]) -> None:
+    for host, device in zip(ids, (buf.tokens, buf.slots, buf.positions)):
+        device.copy_to_device(host, stream=backend.stream)
+
+
 def embed_step(backend: Any, tok_embd: Any, first_norm: Any, eps: float, buf: Any, ids: tuple[np.ndarray, ...]
                ) -> None:
     """The start of a step, outside any graph: the ids (tokens, slots, positions) into buf's device buffers,
     then buf.x = their embeddings and buf.h = buf.x normed for the first layer."""
     stream, geometry = backend.stream, backend.geometry
-    for host, device in zip(ids, (buf.tokens, buf.slots, buf.positions)):
-        device.copy_to_device(host, stream=stream)
+    _ids_to_device(backend, buf, ids)
     quant.embed(tok_embd, buf.tokens, stream, geometry, out=buf.x)
     ops.rmsnorm(buf.x, first_norm, eps, buf.h, stream, geometry)
+
+
+def hand_over(source: Any, target: Any, buf: "StepBuffers", onto: "StepBuffers", ids: tuple[np.ndarray, ...]
+              ) -> None:
+    """Between two dies' segments, outside any graph: the residual stream and the normed input (buf.x, buf.h,
+    on `source`'s die) and the step's ids into `onto`'s buffers on `target`'s die, through host memory (a few
+    rows). Leaves `target`'s die current. `onto`'s arrays are the ones its layers' graphs were captured on."""
+    x, h = source.to_host(buf.x), source.to_host(buf.h)
+    target.begin_step()
+    onto.x.copy_to_device(x, stream=target.stream)
+    onto.h.copy_to_device(h, stream=target.stream)
+    _ids_to_device(target, onto, ids)
 
 
 def step_logits(backend: Any, output: Any, logits: "SharedRows", h: Any, n: int) -> np.ndarray:
@@ -153,7 +170,7 @@ class StepBuffers:
     ff: Any
     down: Any  # (n, D)
     scratch: ops.DecodeScratch
-    layers: dict[int, LayerLaunch] = field(default_factory=dict)
+    layers: dict[Any, LayerLaunch] = field(default_factory=dict)  # graph slot key -> its bound launches
 
 
 class CudaDecodePlan:
@@ -162,17 +179,31 @@ class CudaDecodePlan:
 
     ends = True  # the whole step, token ids to logits, runs here (the llama model's `plan.ends` test)
 
-    def __init__(self, blocks: list[Any], output_norm: Any, head_dim: int, tok_embd: Any, output: Any) -> None:
+    def __init__(self, blocks: list[Any], output_norm: Any, head_dim: int, tok_embd: Any, output: Any,
+                 layer_backends: list[Any] | None = None, output_backend: Any = None) -> None:
+        """`layer_backends`: each layer's die, for a model over several dies (segments.py), whose last die
+        holds `output` (`output_backend`) and whose first the embedding; None: every layer on the step's."""
         self.blocks = blocks
         self.output_norm = output_norm
         self.head_dim = head_dim
         self.tok_embd = tok_embd
         self.output = output
-        self.steps: dict[int, StepBuffers] = {}
+        self.output_backend = output_backend
+        # On several dies: (backend, its layers) for each die that holds layers, in layer order.
+        self.segments: list[tuple[Any, list[int]]] | None = None
+        if layer_backends is not None:
+            self.segments = []
+            for li, be in enumerate(layer_backends):
+                if self.segments and self.segments[-1][0] is be:
+                    self.segments[-1][1].append(li)
+                else:
+                    self.segments.append((be, [li]))
+        self.steps: dict[tuple[int, int], StepBuffers] = {}  # (die, batch size) -> its buffers
         self.logits = SharedRows(int(output.rows))
 
     def buffers(self, backend: Any, n: int, n_q_heads: int, n_kv_heads: int) -> StepBuffers:
-        found = self.steps.get(n)
+        """The buffers of a step of n rows on `backend`'s die (one set per die the model's layers sit on)."""
+        found = self.steps.get((backend.die, n))
         if found is not None:
             return found
         blk, hd = self.blocks[0], self.head_dim
@@ -189,7 +220,7 @@ class CudaDecodePlan:
             gate_up=empty((n, 2 * ffn)) if stacked_ffn else None,
             gate=empty((n, ffn)), up=empty((n, ffn)), ff=empty((n, ffn)), down=empty((n, d_model)),
             scratch=ops.DecodeScratch())
-        self.steps[n] = made
+        self.steps[(backend.die, n)] = made
         return made
 
 
@@ -198,7 +229,6 @@ def _layer_body(backend: Any, plan: CudaDecodePlan, li: int, buf: StepBuffers, k
     """The launches of layer li for buf's batch size: the ops the llama model's own forward runs for a decode
     step, in its order, into buf's arrays. Binds nothing that changes between steps."""
     blk = plan.blocks[li]
-    next_norm = plan.blocks[li + 1].attn_norm if li + 1 < len(plan.blocks) else plan.output_norm
     stream, geometry = backend.stream, backend.geometry
     n = buf.n
     q_flat, k_flat, v_flat = (a.reshape(n, a.shape[1] * a.shape[2]) for a in (buf.q, buf.k, buf.v))
@@ -225,7 +255,19 @@ def _layer_body(backend: Any, plan: CudaDecodePlan, li: int, buf: StepBuffers, k
             quant.matmul(blk.w_up, buf.h, buf.up, stream, geometry)
         ops.swiglu(buf.gate, buf.up, buf.ff, stream, geometry)
         quant.matmul(blk.w_down, buf.ff, buf.down, stream, geometry)
-        ops.add_rmsnorm(buf.x, buf.down, next_norm, eps, buf.h, stream, geometry)
+        ops.add_rmsnorm(buf.x, buf.down, blk.next_norm, eps, buf.h, stream, geometry)
+
+    return body
+
+
+def _segment_body(backend: Any, plan: CudaDecodePlan, layers: list[int], buf: StepBuffers, k_pools: list[Any],
+                  v_pools: list[Any], *args: Any) -> Any:
+    """The launches of a die's run of layers, one after the other: one graph per die and step."""
+    bodies = [_layer_body(backend, plan, li, buf, k_pools[li], v_pools[li], *args) for li in layers]
+
+    def body() -> None:
+        for layer in bodies:
+            layer()
 
     return body
 
@@ -233,21 +275,43 @@ def _layer_body(backend: Any, plan: CudaDecodePlan, li: int, buf: StepBuffers, k
 def run_step(backend: Any, plan: CudaDecodePlan, tokens: np.ndarray, eps: float, k_pools: list[Any],
              v_pools: list[Any], slots: np.ndarray, positions: np.ndarray, n_q_heads: int, n_rot: int,
              freq_base: float, freq_scale: float, scale: float) -> np.ndarray:
-    """Token ids (B,) -> logits (B, output rows) on the host, for one token per row at `positions` of `slots`."""
+    """Token ids (B,) -> logits (B, output rows) on the host, for one token per row at `positions` of `slots`.
+
+    On one die each layer is a graph slot ("decode", layer, B). On several (`plan.segments`) each die's run of
+    layers is one slot ("segment", segment index, B), class "segment", on that die's graphs, and the activations
+    go from one die's buffers to the next's between them (`hand_over`), outside the graphs."""
     n_slots, ctx, n_kv_heads = (int(s) for s in k_pools[0].shape[:3])
     ids = step_ids(tokens, slots, positions, plan.tok_embd.rows, n_slots, ctx)
     n = len(ids[0])
     if n == 0:
         return np.empty((0, int(plan.output.rows)), np.float32)
-    buf = plan.buffers(backend, n, n_q_heads, n_kv_heads)
-    embed_step(backend, plan.tok_embd, plan.blocks[0].attn_norm, eps, buf, ids)
-    for li in range(len(plan.blocks)):
-        k_pool, v_pool = k_pools[li], v_pools[li]
-        backend.attention_residency.reached(k_pool, isinstance(k_pool, np.ndarray))
-        run_layer(backend, buf.layers, li, n, GRAPH_CLASS, (k_pool, v_pool),
-                  lambda: _layer_body(backend, plan, li, buf, k_pool, v_pool, eps, n_rot, freq_base, freq_scale,
-                                      scale))
-    return step_logits(backend, plan.output, plan.logits, buf.h, n)
+    args = (eps, n_rot, freq_base, freq_scale, scale)
+    segments = plan.segments or [(backend, list(range(len(plan.blocks))))]
+    here = segments[0][0]
+    here.begin_step()
+    buf = plan.buffers(here, n, n_q_heads, n_kv_heads)
+    embed_step(here, plan.tok_embd, plan.blocks[0].attn_norm, eps, buf, ids)
+    for si, (be, layers) in enumerate(segments):
+        if be is not here:
+            onto = plan.buffers(be, n, n_q_heads, n_kv_heads)
+            hand_over(here, be, buf, onto, ids)
+            here, buf = be, onto
+        for li in layers:
+            be.attention_residency.reached(k_pools[li], isinstance(k_pools[li], np.ndarray))
+        if plan.segments is None:
+            for li in layers:
+                run_slot(be, buf.layers, ("decode", li, n), GRAPH_CLASS, (k_pools[li], v_pools[li]),
+                         lambda: _layer_body(be, plan, li, buf, k_pools[li], v_pools[li], *args))
+        else:
+            pools = tuple(pool for li in layers for pool in (k_pools[li], v_pools[li]))
+            run_slot(be, buf.layers, ("segment", si, n), SEGMENT_CLASS, pools,
+                     lambda: _segment_body(be, plan, layers, buf, k_pools, v_pools, *args))
+    last = plan.output_backend or here
+    if last is not here:  # a die that holds the output and no layer
+        onto = plan.buffers(last, n, n_q_heads, n_kv_heads)
+        hand_over(here, last, buf, onto, ids)
+        buf = onto
+    return step_logits(last, plan.output, plan.logits, buf.h, n)
 
-__all__ = ["CudaDecodePlan", "GRAPH_CLASS", "HOST_RING", "LayerLaunch", "SharedRows", "StepBuffers", "attend",
-           "embed_step", "run_layer", "run_step", "step_ids", "step_logits"]
+__all__ = ["CudaDecodePlan", "GRAPH_CLASS", "HOST_RING", "LayerLaunch", "SEGMENT_CLASS", "SharedRows", "StepBuffers",
+           "attend", "embed_step", "hand_over", "run_slot", "run_step", "step_ids", "step_logits"]

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from pantheon.kernels.cuda import moe, ops, quant, ssm
-from pantheon.kernels.cuda.decode_step import (LayerLaunch, SharedRows, attend, embed_step, run_layer, step_ids,
+from pantheon.kernels.cuda.decode_step import (LayerLaunch, SharedRows, attend, embed_step, run_slot, step_ids,
                                                step_logits)
 
 
@@ -38,7 +38,7 @@ class HybridBuffers:
     route: dict[str, Any]  # router: logits, ids, weights, shared gate
     pairs: moe.PairBuffers | None
     scratch: ops.DecodeScratch
-    layers: dict[int, LayerLaunch] = field(default_factory=dict)
+    layers: dict[Any, LayerLaunch] = field(default_factory=dict)
 
 
 class HybridDecodePlan:
@@ -187,8 +187,8 @@ def run_step(backend: Any, plan: HybridDecodePlan, state: Any, tokens: np.ndarra
         else:
             pools, graph_class = (state.k[li], state.v[li]), "batched_attn"
             backend.attention_residency.reached(pools[0], isinstance(pools[0], np.ndarray))
-        run_layer(backend, buf.layers, li, n, graph_class, pools,
-                  lambda: _layer_body(backend, plan, li, buf, pools))
+        run_slot(backend, buf.layers, ("decode", li, n), graph_class, pools,
+                 lambda: _layer_body(backend, plan, li, buf, pools))
     return step_logits(backend, plan.output, plan.logits, buf.h, n)
 
 __all__ = ["HybridBuffers", "HybridDecodePlan", "run_step"]

@@ -10,13 +10,18 @@ the llama architecture does (ModelManager refuses several dies for the others).
 
 To the rest of the server this is one backend: `graphs` and `attention_residency` add up the dies' counters,
 `close` gives every die its bytes back, and anything else (`upload`, `embed`, `to_host` ...) is the first die's.
-Steps of a segmented model launch their kernels directly: its decode runs through the model's own forward, not
-the per-die graph plans (decode_step.py).
+A decode step runs through the same plan as on one die (decode_step.py), each layer on its die through that
+die's graph slots, filed under the class "segment"; the hand-over between dies happens outside the graphs.
+Prefill chunks launch directly, through the model's own forward.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+import numpy as np
+
+from pantheon.kernels.cuda import decode_step
 
 
 def segment_of(layer: int, n_layers: int, n_dies: int) -> int:
@@ -93,6 +98,25 @@ class DieSegments:
     def begin_step(self) -> None:
         self.first.begin_step()
 
+    def decode_plan(self, blocks: list[Any], output_norm: Any, head_dim: int, tok_embd: Any = None,
+                    output: Any = None) -> decode_step.CudaDecodePlan | None:
+        if tok_embd is None or output is None:
+            return None
+        layers = [self.for_layer(li, len(blocks)) for li in range(len(blocks))]
+        return decode_step.CudaDecodePlan(blocks, output_norm, head_dim, tok_embd, output, layer_backends=layers,
+                                          output_backend=self.last)
+
+    @staticmethod
+    def kernel_pools(pools: list[Any]) -> list[Any]:
+        """The model's own list, as on one die (`heal_rings` replaces its entries)."""
+        return pools
+
+    def decode_step(self, plan: decode_step.CudaDecodePlan, tokens: np.ndarray, eps: float, k_pools: list[Any],
+                    v_pools: list[Any], slots: np.ndarray, positions: np.ndarray, n_q_heads: int, n_rot: int,
+                    freq_base: float, freq_scale: float, scale: float) -> np.ndarray:
+        return decode_step.run_step(self.first, plan, tokens, eps, k_pools, v_pools, slots, positions, n_q_heads,
+                                    n_rot, freq_base, freq_scale, scale)
+
     def heal_rings(self, k_pools: list[Any], v_pools: list[Any]) -> None:
         """Each die retries its own layers' host rings (with its context current)."""
         n_layers = len(k_pools)
@@ -114,9 +138,9 @@ class DieSegments:
             die.synchronize()
 
     def __getattr__(self, name: str) -> Any:
-        # Everything else (upload, embed, to_host, vector ...) is the first die's. Not the decode plans: a
-        # segmented model runs its decode steps through its own forward.
-        if name in ("dies", "decode_plan", "hybrid_decode_plan"):
+        # Everything else (upload, embed, to_host, vector ...) is the first die's. Not the hybrid decode plan: only
+        # llama models are split over dies (registry.SEGMENTED_ARCHITECTURES).
+        if name in ("dies", "hybrid_decode_plan"):
             raise AttributeError(name)
         return getattr(self.dies[0], name)
 
