@@ -508,6 +508,40 @@ def test_blob_restores_across_kv_precisions(tmp_path: Path) -> None:
         f16.stop()
 
 
+def test_a_session_past_the_body_limit_of_other_routes_restores(tmp_path: Path) -> None:
+    """A long session's export is larger than the 64 MiB other routes accept (here ~70 MB of float32 KV, ~94 MB
+    as base64): its restore is taken all the same (the limit of /session/restore follows the largest blob a
+    loaded model can export), and the session goes on from it."""
+    from pantheon.http.asgi import MAX_BODY_BYTES
+    from tests.tiny_models import write_tiny_llama
+
+    # 16 layers x 4 kv heads x 128 dims x (k, v) x 4 bytes: 64 KiB of float32 cache a token.
+    model = write_tiny_llama(tmp_path / "wide.gguf", n_layers=16, d=512, heads=4, kv_heads=4, ffn=64, ctx=2048,
+                             qtype=gguf_f16())
+    server = start_server(model, tmp_path / "log", "--max-sessions", "1", "--ctx-cap", "2048",
+                          env={"PANTHEON_HOME": str(tmp_path / "home"), "PANTHEON_CPU_INT8": "0"})
+    try:
+        sid = new_id("long")
+        long_prompt = [{"role": "user", "content": " ".join(f"w{i % 97}" for i in range(400))}]
+        first = chat(server, req(long_prompt, max_tokens=2, session_id=sid))
+        snap = exported(server, sid)
+        body = json.dumps({"session_id": sid, "blob": snap["blob_b64"], "tokens": snap["tokens"]}).encode()
+        assert len(body) > MAX_BODY_BYTES, (len(body), first["usage"])
+        assert release(server, {"session_id": sid}).status_code == 200
+        r = restore(server, None, raw=body, headers={"content-type": "application/json"})
+        assert r.status_code == 200, r.text[:300]
+        turn = chat(server, req(follow_up(long_prompt, content_of(first), "Go on."), max_tokens=2, session_id=sid))
+        assert cached_of(turn) == snap["n_tok"]
+    finally:
+        server.stop()
+
+
+def gguf_f16() -> Any:
+    import gguf
+
+    return gguf.GGMLQuantizationType.F16
+
+
 def test_export_errors(server: ServerProcess, end_ids: dict[str, int]) -> None:
     assert_error(export(server, "no-such-session"), 404, "session_not_found")
     assert_error(export(server, None), 400, "invalid_request_error")

@@ -133,6 +133,11 @@ def test_named_function_is_compelled_with_the_grammar_on(default_model_path, tmp
                                        temperature=0.7, seed=seed, max_tokens=160), 160, "search_files")
                 for seed in range(3)]
         assert any(made), made
+        # Enforced, a choice must name an offered function.
+        r = httpx.post(server.base_url + "/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": "Hello!"}], "tools": TOOLS, "max_tokens": 4,
+            "tool_choice": {"type": "function", "function": {"name": "not_offered"}}})
+        assert r.status_code == 400 and "not_offered" in r.json()["error"]["message"], r.text
         models = httpx.get(server.base_url + "/v1/models").json()["data"]
         assert models[0]["tool_choice_required_with_thinking"] is True
     finally:
@@ -242,11 +247,39 @@ def test_json_object_and_statuses(smollm_server: ServerProcess) -> None:
     assert tools["response_format_status"] == "ignored_tools_present"
 
 
-def test_malformed_schema_is_400(smollm_server: ServerProcess) -> None:
-    r = httpx.post(smollm_server.base_url + "/v1/chat/completions", timeout=60, json={
-        "messages": [{"role": "user", "content": "hi"}],
-        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}})
-    assert r.status_code == 400 and "schema" in r.json()["error"]["message"]
+@pytest.mark.parametrize("json_schema", [None, {"name": "x"}, {"name": "x", "schema": 5},
+                                         {"name": "x", "schema": {"type": "nonsense"}}])
+def test_a_schema_that_cannot_be_used_is_downgraded_to_json(smollm_server: ServerProcess,
+                                                           json_schema: dict | None) -> None:
+    """spec: json_schema gets the JSON constraint; a schema missing or not a JSON schema cannot shape it, so the
+    answer is constrained to a JSON object alone ("schema_downgraded"), not refused."""
+    response_format = {"type": "json_schema", **({} if json_schema is None else {"json_schema": json_schema})}
+    body = chat(smollm_server, messages=[{"role": "user", "content": "Give me some data."}],
+                response_format=response_format, temperature=0, max_tokens=200)
+    assert body["response_format_status"] == "schema_downgraded", body
+    assert isinstance(json.loads(body["choices"][0]["message"]["content"]), dict)
+
+
+@pytest.mark.parametrize("response_format, status", [({"type": "text"}, "applied"), ({}, "ignored_unknown_type")])
+def test_a_text_or_typeless_response_format_reports_its_status(smollm_server: ServerProcess,
+                                                               response_format: dict, status: str) -> None:
+    # spec: response_format_status is there "when the request sent response_format".
+    body = chat(smollm_server, messages=[{"role": "user", "content": "hi"}], response_format=response_format,
+                temperature=0, max_tokens=4)
+    assert body["response_format_status"] == status
+
+
+@pytest.mark.parametrize("tool_choice", [{"type": "function", "function": {"name": "not_offered"}},
+                                         {"type": "function"}, {}])
+def test_a_named_tool_choice_without_the_grammar_behaves_like_auto(smollm_server: ServerProcess,
+                                                                   tool_choice: dict) -> None:
+    """spec: a named tool_choice is enforced only under PANTHEON_TOOL_GRAMMAR=1, "otherwise it behaves like
+    'auto'": whatever it names (or fails to), the turn is the auto turn's."""
+    msgs = [{"role": "user", "content": "hi"}]
+    auto = chat(smollm_server, messages=msgs, tools=TOOLS, temperature=0, max_tokens=8)
+    named = chat(smollm_server, messages=msgs, tools=TOOLS, tool_choice=tool_choice, temperature=0, max_tokens=8)
+    assert named["choices"][0]["message"] == auto["choices"][0]["message"]
+    assert named["usage"]["prompt_tokens"] == auto["usage"]["prompt_tokens"]
 
 
 @pytest.fixture(scope="module")

@@ -91,17 +91,24 @@ def test_reasoning_budget_alias() -> None:
     assert parse(reasoning_budget=3, max_reasoning_tokens=7).reasoning_budget == 3
 
 
+def test_seed_is_any_number_and_model_any_value() -> None:
+    # spec: `seed` is a number (a fraction seeds as its integer part, as llama-server reads it); with one model
+    # loaded "any value" of `model` routes to it, so a non-string is taken as its JSON text, not refused.
+    assert parse(seed=7.9).seed == 7 and parse(seed=-3).seed == -3 and parse(seed=None).seed is None
+    assert parse(model=3).model == "3" and parse(model={"a": 1}).model == '{"a":1}'
+
+
 @pytest.mark.parametrize("body", [
     [], "x", {}, {"messages": []}, {"messages": "hi"}, {"messages": [1]},
     {"messages": MSG, "temperature": "hot"}, {"messages": MSG, "max_tokens": "many"},
-    {"messages": MSG, "stop": 5}, {"messages": MSG, "stream": "yes"}, {"messages": MSG, "model": 3},
+    {"messages": MSG, "stop": 5}, {"messages": MSG, "stream": "yes"}, {"messages": MSG, "seed": "7"},
     # Wrong types are refused the same way everywhere, not read as something else.
     {"messages": MSG, "tools": [1]}, {"messages": MSG, "tools": ["x"]}, {"messages": MSG, "tools": [None]},
     {"messages": [{"role": 0, "content": "hi"}]}, {"messages": [{"role": False, "content": "hi"}]},
     {"messages": [{"role": [], "content": "hi"}]}, {"messages": [{"role": {}, "content": "hi"}]},
     {"messages": MSG, "stream_options": "x"}, {"messages": MSG, "stream_options": {"include_usage": "yes"}},
     {"messages": MSG, "max_tokens": 2.5}, {"messages": MSG, "n": 1.5}, {"messages": MSG, "top_k": 1.5},
-    {"messages": MSG, "seed": 1.5}, {"messages": MSG, "session_id": 5}, {"messages": MSG, "prompt_cache_key": ["a"]},
+    {"messages": MSG, "seed": True}, {"messages": MSG, "session_id": 5}, {"messages": MSG, "prompt_cache_key": ["a"]},
     {"messages": MSG, "min_p": "x"}, {"messages": MSG, "parallel_tool_calls": "no"},
 ])
 def test_invalid_bodies_are_400(body: object) -> None:

@@ -7,6 +7,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
+
 from pantheon.errors import invalid_request
 
 MAX_TOKENS_CLAMP = 1_048_576
@@ -69,6 +71,16 @@ def _integer(body: Mapping[str, Any], key: str, default: int | None) -> int | No
     if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
             or value != int(value)):
         raise invalid_request(f"'{key}' must be an integer")
+    return int(value)
+
+
+def _seed(body: Mapping[str, Any]) -> int | None:
+    """`seed` is a number: a fractional one seeds as its integer part (as llama-server reads it)."""
+    value = body.get("seed")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise invalid_request("'seed' must be a number")
     return int(value)
 
 
@@ -166,7 +178,9 @@ def parse_chat_request(body: Any, *, header_session: str | None = None) -> ChatR
 
     model = body.get("model")
     if model is not None and not isinstance(model, str):
-        raise invalid_request("'model' must be a string")
+        # "With one loaded model, any value routes to it": a number or an object is routed as its JSON text,
+        # which names no model when several are loaded (404 model_not_found).
+        model = orjson.dumps(model).decode()
 
     max_tokens = _integer(body, "max_tokens", None)
     if max_tokens is None:
@@ -190,7 +204,7 @@ def parse_chat_request(body: Any, *, header_session: str | None = None) -> ChatR
     top_logprobs = _integer(body, "top_logprobs", 0) or 0
     top_logprobs = max(0, min(20, top_logprobs))
 
-    seed = _integer(body, "seed", None)
+    seed = _seed(body)
 
     reasoning_budget = _integer(body, "reasoning_budget", None)
     if reasoning_budget is None:

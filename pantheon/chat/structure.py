@@ -57,8 +57,12 @@ def offered_tools(served: LoadedModel, request: ChatRequest) -> tuple[Dialect, l
     return dialect, tools
 
 
-def _named_function(tool_choice: Any) -> str | None:
+def _named_function(tool_choice: Any, enforced: bool) -> str | None:
+    """The function a named tool_choice names. Only an enforced one (PANTHEON_TOOL_GRAMMAR=1) is read; any other
+    object behaves like "auto", whatever its shape or name (spec)."""
     if isinstance(tool_choice, dict):
+        if not enforced:
+            return None
         function = tool_choice.get("function")
         name = function.get("name") if isinstance(function, dict) else None
         if not isinstance(name, str) or not name:
@@ -72,7 +76,7 @@ def _named_function(tool_choice: Any) -> str | None:
 def _tool_grammar(dialect: Dialect, tools: list[ToolSpec], request: ChatRequest, env: EnvKnobs,
                   think_mode: str) -> tuple[str | None, bool]:
     """The tool-call grammar of this request (None: decoded unconstrained), and whether it compels a call."""
-    named = _named_function(request.tool_choice)
+    named = _named_function(request.tool_choice, enforced=env.tool_grammar is True)
     if request.tool_choice == "required" and not tools:
         raise invalid_request("tool_choice \"required\" needs at least one tool in 'tools'")
     if named is not None and named not in {t.name for t in tools}:
@@ -103,25 +107,26 @@ def _response_format(request: ChatRequest, lltok: Any, think_mode: str) -> tuple
     if rf is None:
         return None, None
     kind = rf.get("type")
-    if kind in (None, "text"):
-        return None, None
+    if kind == "text":
+        return None, "applied"  # plain text: nothing to constrain
     if kind == "json_object":
         return json_object_grammar(None, think=think_mode), "applied"
     if kind != "json_schema":
         return None, "ignored_unknown_type"
+    # json_schema: the schema's shape is enforced where it can be; a schema that is missing, not a valid JSON
+    # schema, or beyond the grammar engine is downgraded to the plain JSON constraint ("schema_downgraded").
     spec = rf.get("json_schema")
-    if not isinstance(spec, dict):
-        raise invalid_request("response_format.json_schema must be an object with a 'schema'")
-    schema = spec.get("schema", {})
+    schema = spec.get("schema") if isinstance(spec, dict) else None
+    plain = json_object_grammar(None, think=think_mode)
     if not isinstance(schema, dict):
-        raise invalid_request("response_format.json_schema.schema must be a JSON schema object")
+        return plain, "schema_downgraded"
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
-    except jsonschema.SchemaError as exc:
-        raise invalid_request(f"response_format.json_schema.schema is not a valid JSON schema: {exc.message}") from None
+    except jsonschema.SchemaError:
+        return plain, "schema_downgraded"
     grammar = json_object_grammar(schema, think=think_mode)
     if lltok is not None and _compile_error(lltok, grammar):
-        return json_object_grammar(None, think=think_mode), "schema_downgraded"
+        return plain, "schema_downgraded"
     return grammar, "applied"
 
 

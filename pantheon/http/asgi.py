@@ -35,9 +35,9 @@ def headers_of(scope: Mapping[str, Any]) -> dict[str, str]:
     return {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
 
 
-async def read_body(receive: Receive) -> bytes:
-    """The whole request body. A client that stops sending it for BODY_STALL_S gets a 408 (and its connection
-    closed): a stalled upload must not hold a socket for ever."""
+async def read_body(receive: Receive, limit: int = MAX_BODY_BYTES) -> bytes:
+    """The whole request body, refused (413) past `limit` bytes. A client that stops sending it for BODY_STALL_S
+    gets a 408 (and its connection closed): a stalled upload must not hold a socket for ever."""
     chunks: list[bytes] = []
     size = 0
     while True:
@@ -49,8 +49,8 @@ async def read_body(receive: Receive) -> bytes:
             raise ConnectionAbortedError("client disconnected while sending the body")
         chunk = message.get("body", b"")
         size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise ApiError(413, "invalid_request_error", f"request body exceeds {MAX_BODY_BYTES} bytes")
+        if size > limit:
+            raise ApiError(413, "invalid_request_error", f"request body exceeds {limit} bytes")
         chunks.append(chunk)
         if not message.get("more_body", False):
             return b"".join(chunks)

@@ -10,7 +10,8 @@ from typing import Any
 import trio
 
 from pantheon.errors import ApiError, invalid_request
-from pantheon.http.asgi import Receive, Send, headers_of, parse_json_body, read_body, send_json, start_sse
+from pantheon.http.asgi import (MAX_BODY_BYTES, Receive, Send, headers_of, parse_json_body, read_body, send_json,
+                                start_sse)
 from pantheon.sched import session_ops
 from pantheon.sched.registry import ModelInstance, Registry
 
@@ -30,8 +31,8 @@ def _instance(registry: Registry, name: Any) -> ModelInstance:
     return instance
 
 
-async def _json_object(receive: Receive) -> dict[str, Any]:
-    body = parse_json_body(await read_body(receive))
+async def _json_object(receive: Receive, limit: int = MAX_BODY_BYTES) -> dict[str, Any]:
+    body = parse_json_body(await read_body(receive, limit))
     if not isinstance(body, dict):
         raise invalid_request("request body must be a JSON object")
     return body
@@ -61,8 +62,22 @@ async def export(registry: Registry, scope: dict[str, Any], receive: Receive, se
     })
 
 
+def restore_body_limit(registry: Registry) -> int:
+    """The largest restore body a loaded model can be sent: a blob for a session that fills its whole window, in
+    base64 (4 bytes per 3), and its token list (at most 12 bytes a token as JSON), plus 1 MiB; never less than
+    any other route's limit. The blob is taken as twice the model's state for one slot (a float32 blob restores
+    into a float16 cache; a hybrid model's blob may carry a recurrent-state checkpoint) plus 16 bytes a token.
+    A session a model can export is one it can be sent back."""
+    largest = 0
+    for instance in registry.instances:
+        ctx = instance.served.ctx_cap
+        blob = 2 * instance.served.model.state_bytes(1, ctx) + 16 * ctx
+        largest = max(largest, -(-blob // 3) * 4 + 12 * ctx)
+    return max(MAX_BODY_BYTES, largest + (1 << 20))
+
+
 async def restore(registry: Registry, scope: dict[str, Any], receive: Receive, send: Send) -> None:
-    body = await _json_object(receive)
+    body = await _json_object(receive, restore_body_limit(registry))
     session_id = _session_id(body, scope)
     blob_b64, tokens = body.get("blob"), body.get("tokens")
     if blob_b64 is None or tokens is None:
