@@ -476,3 +476,23 @@ def test_parallel_tool_calls_false_keeps_the_first_call(max_calls: int | None, e
     streamed += out.finish().tool_calls
     assert [c["function"]["name"] for c in out.tool_calls] == expected
     assert [d["name"] for d in streamed if "name" in d] == expected
+
+
+def test_the_stream_sends_a_choices_content_before_its_calls() -> None:
+    """spec (streaming): content deltas, then tool-call chunks, then the closing chunk. Prose the model writes
+    after a call stays in the content (as in the non-streamed message) and still goes out before the call."""
+    from pantheon.chat.output import ChoiceOutput
+    from pantheon.engine.sampling import SampledToken
+
+    text = "Let me look. " + call("read", param("path", "a.txt")) + "\nThat should do."
+    out = ChoiceOutput(_ByteTokens(), stops=[], think=False, prompt_opens_think=False, want_logprobs=False,  # type: ignore[arg-type]
+                       tool_parser=DIALECTS["qwen_xml"].parser(TOOLS))
+    order = []
+    for b in text.encode():
+        delta = out.push(SampledToken(b))
+        order += ["content"] * bool(delta.content) + ["call"] * bool(delta.tool_calls)
+    last = out.finish()
+    order += ["content"] * bool(last.content) + ["call"] * bool(last.tool_calls)
+    assert "call" in order and "content" not in order[order.index("call"):], order
+    assert out.content.startswith("Let me look.") and out.content.rstrip().endswith("That should do.")
+    assert [c["function"]["name"] for c in out.tool_calls] == ["read"]

@@ -154,6 +154,9 @@ class ChoiceOutput:
         self.tool_calls: list[dict[str, Any]] = []  # finished calls, OpenAI shape
         self.tool_call_errors: list[dict[str, Any]] = []
         self._call_ids: dict[int, tuple[str, str]] = {}
+        # The stream's pieces of finished calls, sent with the choice's last delta: the spec's stream sends a
+        # choice's content before its tool calls, and a model may write prose after a call.
+        self._held_calls: list[dict[str, Any]] = []
 
     @property
     def stopped(self) -> bool:
@@ -170,9 +173,9 @@ class ChoiceOutput:
 
     def _route_tools(self, delta: Delta, final: bool) -> None:
         """Move delta.content through the call parser. A call goes out (its opening piece, then its arguments)
-        once it has been parsed whole, as the spec's stream has it: a call that is cut short or rejected is
-        never streamed, so the stream's calls are exactly the non-streamed response's `tool_calls`, with the
-        same indexes."""
+        with the choice's last delta, after all of its content, as the spec's stream orders them: a call that is
+        cut short or rejected is never streamed, so the stream's calls are exactly the non-streamed response's
+        `tool_calls`, with the same indexes, and its content the same text (prose after a call included)."""
         if self._tools is None:
             return
         events = self._tools.feed(delta.content) if delta.content else []
@@ -189,8 +192,8 @@ class ChoiceOutput:
                     continue
                 call_id, name = self._call_ids[event.index]
                 index = len(self.tool_calls)
-                delta.tool_calls.append({"index": index, "id": call_id, "name": name})
-                delta.tool_calls.append({"index": index, "arguments": event.arguments})
+                self._held_calls.append({"index": index, "id": call_id, "name": name})
+                self._held_calls.append({"index": index, "arguments": event.arguments})
                 self.tool_calls.append({"id": call_id, "type": "function",
                                         "function": {"name": name, "arguments": event.arguments}})
             elif isinstance(event, CallError):
@@ -200,6 +203,9 @@ class ChoiceOutput:
                 if event.parameter is not None:
                     error["parameter"] = event.parameter
                 self.tool_call_errors.append(error)
+        if final:
+            delta.tool_calls += self._held_calls
+            self._held_calls = []
 
     def _emit(self, delta: Delta, final: bool = False) -> Delta:
         self.content += delta.content
