@@ -88,7 +88,8 @@ async def restore(registry: Registry, scope: dict[str, Any], receive: Receive, s
     if not isinstance(blob_b64, str):
         raise ApiError(400, "bad_session_blob", "'blob' must be a base64 string")
     try:
-        blob = base64.b64decode(blob_b64, validate=True)
+        # Line breaks and blanks are dropped first: `base64` tools wrap their output at 76 columns.
+        blob = base64.b64decode("".join(blob_b64.split()), validate=True)
     except (binascii.Error, ValueError):
         raise ApiError(400, "bad_session_blob", "'blob' is not valid base64") from None
     n_tok = await session_ops.restore_session(instance.scheduler, session_id, blob, tokens)
