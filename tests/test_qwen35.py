@@ -224,6 +224,24 @@ def test_state_size_accounting(qwen35moe):
 # --- serving: template, reasoning and tool dialect -----------------------------------------------------
 
 
+def test_a_lone_assistant_message_is_an_ordinary_turn_where_the_template_needs_a_user_query():
+    """A conversation of one assistant message is continued from it where the template can render an empty
+    conversation (llama-server's prefill); Qwen's template refuses one without a user query, so there the
+    message is an ordinary turn instead of a 400."""
+    from pantheon.chat.prompt import build_prompt
+    from pantheon.chat.request import parse_chat_request
+    from pantheon.chat.tools import dialect_for
+    from pantheon.config import ModelOptions, read_env
+    from pantheon.engine.loader import load_served_model
+
+    served = load_served_model(ModelOptions(path=FIXTURES / "qwen35moe.gguf", name="tiny-qwen35moe"), read_env(),
+                               CpuBackend())
+    dialect = dialect_for(served.name, served.architecture, served.gguf.metadata.get("tokenizer.chat_template"))
+    request = parse_chat_request({"messages": [{"role": "assistant", "content": "Once upon"}]})
+    prompt = build_prompt(served, request, no_think_default=False, dialect=dialect, tools=[])
+    assert prompt.text.startswith("<|im_start|>assistant\nOnce upon<|im_end|>\n<|im_start|>assistant\n")
+
+
 def test_served_fixture_renders_think_prompts_and_uses_the_qwen_xml_dialect():
     """The fixtures carry a Qwen3.5-style think template: enable_thinking opens or closes the think block,
     and the tool dialect of these architectures is Qwen3-Coder XML."""

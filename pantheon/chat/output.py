@@ -231,6 +231,13 @@ class ChoiceOutput:
         self._route_tools(delta, final=False)
         return self._emit(delta)
 
+    def end_token(self) -> None:
+        """The choice ended on an end-of-generation token: a completion token, as llama-server and vLLM count it
+        (nothing after a stop string counts). It has no text, so no logprobs entry: the entries' tokens add up
+        to the content, and a greedy entry's first alternative is its own token."""
+        if not self.stopped:
+            self.completion_tokens += 1
+
     def finish(self) -> Delta:
         delta = Delta()
         if not self.stopped:

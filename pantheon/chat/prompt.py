@@ -8,6 +8,7 @@ from typing import Any
 from pantheon.chat.request import ChatRequest, Message
 from pantheon.chat.tools import Dialect, ToolSpec
 from pantheon.engine.loader import LoadedModel
+from pantheon.errors import ApiError
 
 CLOSED_THINK = "<think>\n\n</think>\n\n"
 
@@ -84,7 +85,7 @@ def build_prompt(served: LoadedModel, request: ChatRequest, *, no_think_default:
     messages = _template_messages(request.messages, dialect, tools)
     prefill = ""
     last = request.messages[-1]
-    if last.role == "assistant" and not last.tool_calls and len(messages) > 1:
+    if last.role == "assistant" and not last.tool_calls:
         # A trailing assistant message is the start of the reply, continued (llama-server's default): the
         # conversation before it gets the generation prompt, then its text; the reply returned is what follows.
         prefill = messages.pop()["content"]
@@ -93,7 +94,16 @@ def build_prompt(served: LoadedModel, request: ChatRequest, *, no_think_default:
     if template.is_think_style:
         thinking = request.enable_thinking if request.enable_thinking is not None else not no_think_default
         extra["enable_thinking"] = thinking
-    text = template.render(messages, add_generation_prompt=True, extra=extra)
+    try:
+        text = template.render(messages, add_generation_prompt=True, extra=extra)
+    except ApiError:
+        if messages or not prefill:
+            raise
+        # A lone assistant message, and a template that cannot render an empty conversation: it is then an
+        # ordinary turn of its own.
+        messages.append(_template_messages(request.messages, dialect, tools)[-1])
+        prefill = ""
+        text = template.render(messages, add_generation_prompt=True, extra=extra)
     if template.is_think_style and not thinking and not text.rstrip().endswith("</think>"):
         text += CLOSED_THINK  # templates that ignore enable_thinking still get a closed block
     text += prefill
