@@ -30,3 +30,37 @@ def test_one_served_model_takes_any_name_but_not_one_being_unloaded() -> None:
         registry.route("going")
     assert (caught.value.status, caught.value.error_type) == (404, "model_not_found")
     assert "being unloaded" in caught.value.message
+
+
+async def test_an_unload_waits_for_requests_routed_before_it(tmp_path) -> None:
+    """A request routed to an instance may still be rendering its prompt (a worker thread), not yet a job the
+    scheduler knows of: the unload waits for it (`ModelInstance.handling`) instead of stopping the scheduler
+    under it, which left the request waiting for ever."""
+    import trio
+
+    from pantheon.config import ModelOptions, read_env
+    from pantheon.kernels.cpu.backend import CpuBackend
+    from pantheon.sched.manager import ModelManager
+    from tests.tiny_models import write_tiny_llama
+
+    path = write_tiny_llama(tmp_path / "tiny.gguf", seed=1)
+    manager = ModelManager(Registry(), read_env(), CpuBackend(int8=False))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(manager.run)
+        inst = await manager.load(ModelOptions(path=path, name="t"))
+        unloaded = trio.Event()
+
+        async def unload() -> None:
+            await manager.unload("t")
+            unloaded.set()
+
+        with inst.handling():
+            assert inst.busy and inst.scheduler.idle
+            nursery.start_soon(unload)
+            await trio.sleep(0.3)
+            assert not unloaded.is_set() and inst.unloading  # new requests no longer route here
+            assert not inst.scheduler.closed.is_set()
+        with trio.fail_after(5):
+            await unloaded.wait()
+        assert inst.scheduler.closed.is_set() and not manager.registry.instances
+        nursery.cancel_scope.cancel()

@@ -230,15 +230,16 @@ class App:
         if self.state.draining:
             raise shutting_down()
         instance = self.state.registry.route_session(request.model, request.session_id)
-        completion = await chat_completion.start_completion(instance, request, self.state.env)
-        try:
-            if request.stream:
-                await self._stream(completion, receive, send)
-            else:
-                await self._respond(completion, receive, send)
-        finally:
-            for job in completion.jobs:
-                job.cancel()
+        with instance.handling():  # an unload of this instance waits for it
+            completion = await chat_completion.start_completion(instance, request, self.state.env)
+            try:
+                if request.stream:
+                    await self._stream(completion, receive, send)
+                else:
+                    await self._respond(completion, receive, send)
+            finally:
+                for job in completion.jobs:
+                    job.cancel()
 
     async def _respond(self, completion: chat_completion.Completion, receive: Receive, send: Send) -> None:
         result: dict[str, Any] | None = None

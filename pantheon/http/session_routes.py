@@ -51,7 +51,8 @@ async def export(registry: Registry, scope: dict[str, Any], receive: Receive, se
     body = await _json_object(receive)
     session_id = _session_id(body, None)  # export reads the body only
     instance = _instance(registry, body.get("name"))
-    exported = await session_ops.export_session(instance.scheduler, session_id)
+    with instance.handling():  # an unload waits for it (the state it reads goes with the instance)
+        exported = await session_ops.export_session(instance.scheduler, session_id)
     await send_json(send, 200, {
         "session_id": session_id,
         "weights_version": exported.weights_version,
@@ -92,7 +93,8 @@ async def restore(registry: Registry, scope: dict[str, Any], receive: Receive, s
         blob = base64.b64decode("".join(blob_b64.split()), validate=True)
     except (binascii.Error, ValueError):
         raise ApiError(400, "bad_session_blob", "'blob' is not valid base64") from None
-    n_tok = await session_ops.restore_session(instance.scheduler, session_id, blob, tokens)
+    with instance.handling():
+        n_tok = await session_ops.restore_session(instance.scheduler, session_id, blob, tokens)
     await send_json(send, 200, {"restored": True, "session_id": session_id, "n_tok": n_tok})
 
 

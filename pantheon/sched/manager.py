@@ -198,7 +198,7 @@ class ModelManager:
         for inst in instances:
             inst.unloading = True
         try:
-            while not all(i.scheduler.idle for i in instances):
+            while any(i.busy for i in instances):
                 await trio.sleep(0.05)
         finally:
             for inst in instances:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +25,22 @@ class ModelInstance:
     weights_bytes: int = 0
     state_bytes: int = 0
     backend: Any = None  # the backend its forward passes run on
+    # Requests routed here and not answered yet (`handling`): an unload waits for them as for the scheduler's
+    # jobs, since one may still be rendering its prompt, not yet a job the scheduler knows of.
+    requests: int = 0
+
+    @contextlib.contextmanager
+    def handling(self) -> Iterator[None]:
+        """Around a request's work on this instance, from the moment it was routed here."""
+        self.requests += 1
+        try:
+            yield
+        finally:
+            self.requests -= 1
+
+    @property
+    def busy(self) -> bool:
+        return self.requests > 0 or not self.scheduler.idle
 
     @property
     def on_accelerator(self) -> bool:

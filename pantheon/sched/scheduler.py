@@ -196,6 +196,8 @@ class Scheduler:
     # -- admission (event loop) ----------------------------------------------------------------------------
     def submit(self, job: GenerationJob) -> trio.MemoryReceiveChannel[Event]:
         """Queue a job; returns its event channel. Raises ApiError when it cannot be accepted."""
+        if self.closed.is_set():  # unloaded: no task would ever run the job (unloads wait for routed requests)
+            raise ApiError(404, "model_not_found", f"model {self.served.name!r} was unloaded")
         if len(job.prompt) >= self.kv_cap:
             raise self.over_window(len(job.prompt))
         self.sessions.check_capacity(job.session_key, self.reprefill_estimate_s(len(job.prompt)))
