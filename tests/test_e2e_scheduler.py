@@ -489,6 +489,48 @@ async def test_queue_timeout_unit(monkeypatch: pytest.MonkeyPatch) -> None:
         nursery.cancel_scope.cancel()
 
 
+async def test_a_choice_that_times_out_in_the_queue_is_left_out_with_n_status(monkeypatch: pytest.MonkeyPatch
+                                                                              ) -> None:
+    """n > 1 with one decode slot: choice 0 decodes while choice 1 waits past the queue timeout. The answer has
+    the one choice that ran and n_status "partial_slot_unavailable" (fewer choices than asked for), not an
+    empty choice that looks like a finished one."""
+    from pantheon.chat import completion as completion_mod
+    from pantheon.chat.prompt import Prompt
+    from pantheon.chat.request import parse_chat_request
+    from pantheon.engine.sampling import SamplingParams
+    from pantheon.sched import scheduler as scheduler_mod
+    from pantheon.sched.jobs import GenerationJob
+
+    class Letters:  # every token is the letter "a"
+        def token_bytes(self, token_id: int) -> bytes:
+            return b"a"
+
+        def is_hidden(self, token_id: int) -> bool:
+            return False
+
+    monkeypatch.setattr(scheduler_mod, "QUEUE_TIMEOUT_S", 0.5)
+    served = SimpleNamespace(name="fake", model=FakeModel(), ctx_cap=1 << 20, tokenizer=Letters())
+    sched = scheduler_mod.Scheduler(served, max_sessions=1, max_concurrent=1, queue_depth=4)
+    instance = SimpleNamespace(served=served, scheduler=sched, name="fake")
+    request = parse_chat_request({"messages": [{"role": "user", "content": "hi"}], "n": 2, "max_tokens": 300})
+    prompt = Prompt(text="hi", tokens=[1, 2, 3], think=False, opens_think=False)
+    completion = completion_mod.Completion(instance, request, prompt)  # type: ignore[arg-type]
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sched.run)
+        for i in range(2):  # choice 0 takes ~1.5 s (300 steps of 5 ms), choice 1 times out after 0.5 s
+            job = GenerationJob(prompt=prompt.tokens, sampling=SamplingParams(temperature=0), max_tokens=300,
+                                stop_ids=frozenset())
+            completion.jobs.append(job)
+            completion.channels.append(sched.submit(job))
+            completion.grammars.append(None)
+        with trio.fail_after(30):
+            body = await completion_mod.complete(completion)
+        nursery.cancel_scope.cancel()
+    assert [c["index"] for c in body["choices"]] == [0] and body["n_status"] == "partial_slot_unavailable"
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens"] == 300
+
+
 class RecordingModel(FakeModel):
     """FakeModel that records every step's rows as (prompt length so far, tokens in the row)."""
 

@@ -32,6 +32,12 @@ class ChoiceResult:
     finish_reason: str = "stop"
     usage: Usage | None = None
     controller: Any = None  # the choice's grammar controller, when one was armed
+    error: ApiError | None = None  # what ended the choice, when the scheduler failed or refused it
+
+    @property
+    def never_ran(self) -> bool:
+        """Refused (a queue timeout) or failed before its first token: a choice that did not come back."""
+        return self.error is not None and not self.output.completion_tokens
 
     @property
     def final_reason(self) -> str:
@@ -249,8 +255,12 @@ async def _run_choice(completion: Completion, index: int, on_delta: Any = None, 
                     # A failure after generation began closes the choice normally (spec: finish "stop").
                     result.finish_reason = "stop"
                     result.usage = event.usage
+                    result.error = event.error
                     if not result.output.completion_tokens and index == 0 and on_delta is None:
                         raise event.error
+                    if result.never_ran:  # fewer choices came back than were asked for: say why
+                        completion.n_status = ("partial_slot_unavailable" if event.error.error_type == "server_busy"
+                                               else "partial_generation_failed")
             if failed:
                 raise failed[0]
     finally:
@@ -288,7 +298,9 @@ async def complete(completion: Completion) -> dict[str, Any]:
     async with trio.open_nursery() as nursery:
         for i in range(len(completion.jobs)):
             nursery.start_soon(run, i)
-    done = [r for r in results if r is not None]
+    # A later choice that never ran (its queue wait timed out) is left out, as one that could not be queued is;
+    # n_status says so. (A stream has already opened it: there it closes empty, with the same n_status.)
+    done = [r for r in results if r is not None and not r.never_ran]
     choices = []
     for r in done:
         calls = r.output.tool_calls
