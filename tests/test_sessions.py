@@ -227,3 +227,29 @@ def test_a_third_conversation_starts_from_the_prefix_it_shares() -> None:
     e = t.assign("s", compaction[:60] + [7, 7, 7], anchor=62)  # evicts title's slot, copies from main's
     assert e is not None and not e.conflict and e.slot is title_slot
     assert e.cached_tokens == 60 and e.copy_from == (main_slot.index, 60) and e.slot.tokens == compaction[:60]
+
+
+def test_a_copy_source_is_not_written_until_the_copy_is_done() -> None:
+    """A turn admitted to copy another slot's prefix copies it at its first step, which may come much later
+    (behind a long prefill). Until the scheduler unpins the source, nothing may write into it: a restore into
+    the session, a new conversation evicting it, a stateless turn after a release, a turn rewinding it."""
+    t, clock = table(copy_prefixes=True, n_slots=3)
+    turn1 = list(range(35))
+    run_turn(t, "s", turn1, [900, 901])
+    clock.now += 1
+    b = t.assign("s", turn1[:30] + [500, 501], anchor=30)  # a second conversation, from a copy of the first
+    assert b is not None and b.copy_from is not None
+    source = t.slots[b.copy_from[0]]
+    assert source.pins == 1 and source.taken and not source.busy
+    # A restore into the session may not replace the source conversation, nor evict it: no slot for it now.
+    assert t.install("s", turn1 + [900, 901]) is None
+    # Nor may a turn that continues (and so rewinds) the source run in it yet: it waits.
+    clock.now += 1
+    assert t.assign("s", turn1 + [900, 901, 902]) is None
+    # Released, the session's slots free up, but not the pinned one.
+    t.release("s")
+    others = [t.assign(None, [1, 2, 3]) for _ in range(2)]
+    assert all(o is None or o.slot is not source for o in others)
+    t.unpin(source.index)
+    assert not source.taken
+    assert t.assign(None, [4, 5, 6]).slot is source  # type: ignore[union-attr]

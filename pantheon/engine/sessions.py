@@ -40,6 +40,15 @@ class SlotInfo:
     # How much of the slot a prompt must repeat to continue its conversation: where the last turn's history
     # ended (its prompt before the generation prompt).
     anchor: int = 0
+    # Admitted turns that have yet to copy this slot's prefix (`Assignment.copy_from`): until they have, nothing
+    # may write into it (a restore, a turn rewinding it, a new owner), so it counts as busy for everything that
+    # would. The scheduler unpins it once the copy is done (`SessionTable.unpin`).
+    pins: int = 0
+
+    @property
+    def taken(self) -> bool:
+        """Busy, or pinned as a copy source: not to be written, evicted or handed out."""
+        return self.busy or self.pins > 0
 
     def clear(self) -> None:
         self.tokens.clear()
@@ -112,7 +121,7 @@ class SessionTable:
         return self.sessions.get(session_id)
 
     def _free_unowned_slot(self) -> SlotInfo | None:
-        free = [s for s in self.slots if not s.busy and s.session is None]
+        free = [s for s in self.slots if not s.taken and s.session is None]
         return min(free, key=lambda s: s.last_used) if free else None
 
     # -- admission -----------------------------------------------------------------------------------------
@@ -162,8 +171,8 @@ class SessionTable:
             if n > best_len and n >= max(1, min(slot.anchor, len(slot.tokens))):
                 best, best_len = slot, n
         if best is not None:
-            if best.busy and best.exporting:
-                return None  # the export is done in a moment; the scheduler is poked then
+            if best.busy and best.exporting or not best.busy and best.pins:
+                return None  # the export (the copy) is done in a moment; the scheduler is poked then
             if not best.busy:
                 # Keep at least one prompt token to compute: its logits give the first new token.
                 usable = min(best_len, len(prompt) - 1)
@@ -200,7 +209,10 @@ class SessionTable:
         if source is None or usable <= 0:
             return self._take(slot, 0, now, evicted)
         slot.tokens[:] = prompt[:usable]
-        copy_from = None if source is slot else (source.index, usable)
+        copy_from = None
+        if source is not slot:
+            copy_from = (source.index, usable)
+            source.pins += 1
         return self._take(slot, usable, now, copy_from=copy_from)
 
     def _conversation_slot(self, session: Session) -> tuple[SlotInfo, bool] | None:
@@ -214,7 +226,7 @@ class SessionTable:
             session.slots.append(slot)
             evicted = False
         else:
-            idle = [s for s in session.slots if not s.busy]
+            idle = [s for s in session.slots if not s.taken]
             if not idle:
                 return None
             slot = min(idle, key=lambda s: s.last_used)
@@ -247,6 +259,11 @@ class SessionTable:
             if session is not None:
                 session.last_used = slot.last_used
 
+    def unpin(self, slot_index: int) -> None:
+        """A turn has copied slot `slot_index`'s prefix (or ended before it could): one pin fewer."""
+        slot = self.slots[slot_index]
+        slot.pins = max(0, slot.pins - 1)
+
     # -- lifetime ------------------------------------------------------------------------------------------
     def release(self, session_id: str) -> bool:
         """Free every slot of a session now. Busy slots are detached: their turn finishes statelessly."""
@@ -256,7 +273,7 @@ class SessionTable:
         for slot in session.slots:
             slot.session = None
             if not slot.busy:
-                slot.clear()
+                slot.clear()  # its bookkeeping only: a pinned slot's state stays as it is until the copy
         return True
 
     def reap(self) -> list[str]:
@@ -301,7 +318,7 @@ class SessionTable:
             self._take(slot, 0, now)
             slot.anchor = int(CONTINUATION_FRACTION * len(tokens))
             return slot
-        target = next((slot for slot in session.slots if slot.tokens and not slot.busy
+        target = next((slot for slot in session.slots if slot.tokens and not slot.taken
                        and common_prefix(slot.tokens, tokens) >= max(1, min(slot.anchor, len(slot.tokens)))), None)
         if target is None:
             got = self._conversation_slot(session)

@@ -70,6 +70,7 @@ class Active:
     last_token_at: float | None = None
     restore: Any = None  # recurrent models: a checkpoint to reinstall before the first prefill step
     copy_from: tuple[int, int] | None = None  # (slot, n): that slot's first n positions, copied in first
+    pinned: int | None = None  # the copy's source slot, pinned in the session table until the copy is done
     checkpoint: Any = None  # a snapshot taken at the end of this step, to keep on the slot
     released: bool = False  # the turn is over (steps already running for it count for nothing)
 
@@ -416,7 +417,8 @@ class Scheduler:
                                        sampler=Sampler(job.sampling, self.served.model.vocab_size),
                                        prompt_done=cached, cached_tokens=cached, conflict=assignment.conflict,
                                        submitted_at=waiting.enqueued_at, restore=assignment.restore,
-                                       copy_from=assignment.copy_from))
+                                       copy_from=assignment.copy_from,
+                                       pinned=assignment.copy_from[0] if assignment.copy_from else None))
             if cached:
                 self.metrics.inc("pantheon_tokens_cached_total", cached, model=self.served.name)
 
@@ -524,6 +526,8 @@ class Scheduler:
         now = time.monotonic()
         model = self.served.name
         for row, active, sampled in zip(rows, owners, samples):
+            if active.copy_from is None:
+                self._unpin(active)  # the step copied the source's prefix: it may be written again
             if active.released or (active.job.cancelled and self.rewindable):
                 # The turn ended while the step ran (a stop string, the client left, or its last token came in
                 # the step before): it ended before these tokens. They stay out of the slot's history, so the
@@ -608,8 +612,14 @@ class Scheduler:
             self._send(active.events, ErrorEvent(error, self._usage(active)))
             self._release(active, keep_state=False)  # its state may be half-written
 
+    def _unpin(self, active: Active) -> None:
+        if active.pinned is not None:
+            self.sessions.unpin(active.pinned)
+            active.pinned = None
+
     def _release(self, active: Active, *, keep_state: bool = True) -> None:
         active.released = True
+        self._unpin(active)  # a turn that ends before its copy no longer needs the source
         if active in self._active:
             self._active.remove(active)
             self.sessions.finish(active.slot, keep=keep_state)
