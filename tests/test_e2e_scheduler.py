@@ -531,6 +531,31 @@ async def test_a_choice_that_times_out_in_the_queue_is_left_out_with_n_status(mo
     assert body["usage"]["completion_tokens"] == 300
 
 
+async def test_only_the_latest_watch_grace_releases_a_session() -> None:
+    """spec (GET /session/watch): when the last watch closes, the session is released after the grace "unless
+    a new watch for it arrives first". A watch that comes and goes within the grace starts a grace of its own,
+    and the first one must not release the session when it runs out."""
+    from pantheon.sched import scheduler as scheduler_mod
+
+    served = SimpleNamespace(name="fake", model=FakeModel(), ctx_cap=1 << 20)
+    sched = scheduler_mod.Scheduler(served, max_sessions=2, max_concurrent=1, queue_depth=4)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sched.run)
+        slot = sched.sessions.install("g", [1, 2, 3])
+        assert slot is not None
+        sched.sessions.finish(slot)
+        for _ in range(2):  # two watches, the second opened within the first one's grace
+            sched.sessions.hold("g")
+            await trio.sleep(0.1)
+            sched.sessions.unhold("g")
+            sched.start_watch_grace("g", 0.5)
+        await trio.sleep(0.45)  # the first grace is over, the second is not
+        assert sched.sessions.get("g") is not None
+        await trio.sleep(0.4)
+        assert sched.sessions.get("g") is None
+        nursery.cancel_scope.cancel()
+
+
 class RecordingModel(FakeModel):
     """FakeModel that records every step's rows as (prompt length so far, tokens in the row)."""
 

@@ -133,6 +133,7 @@ class Scheduler:
         self._nursery: trio.Nursery | None = None
         self.steps_run = 0
         self.closed = trio.Event()  # set when the instance is unloaded: its sessions are gone
+        self._watch_graces: dict[str, int] = {}  # session id -> the number of its latest watch grace
 
     # -- capacity ------------------------------------------------------------------------------------------
     @property
@@ -252,10 +253,15 @@ class Scheduler:
 
     def start_watch_grace(self, session_id: str, grace_s: float) -> None:
         """The last watch on `session_id` closed: release the session after the grace period unless a new
-        watch arrives first."""
+        watch arrives first. Only the latest grace counts: one started when an earlier watch closed is void
+        once a later watch has come and gone (it would release the session before the later grace is up)."""
+        started = self._watch_graces[session_id] = self._watch_graces.get(session_id, 0) + 1
 
         async def grace() -> None:
             await trio.sleep(grace_s)
+            if self._watch_graces.get(session_id) != started:
+                return
+            del self._watch_graces[session_id]
             if not self.sessions.watches.get(session_id) and not self.session_busy(session_id):
                 self.sessions.release(session_id)
 
