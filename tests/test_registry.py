@@ -64,3 +64,18 @@ async def test_an_unload_waits_for_requests_routed_before_it(tmp_path) -> None:
             await unloaded.wait()
         assert inst.scheduler.closed.is_set() and not manager.registry.instances
         nursery.cancel_scope.cancel()
+
+
+def test_the_shutdown_drain_waits_for_requests_still_preparing() -> None:
+    """A request routed before SIGTERM may still be rendering its prompt (no job yet): the drain is not idle
+    until it is done, or the server would stop under it (a bare 500 to the client)."""
+    from pantheon.http.server import _idle
+
+    registry = Registry()
+    inst = instance("m")
+    inst.scheduler.idle = True  # type: ignore[attr-defined]
+    registry.add(inst)
+    assert _idle(registry)
+    with inst.handling():
+        assert not _idle(registry)
+    assert _idle(registry)

@@ -93,7 +93,8 @@ def _hypercorn_config(options: ServeOptions) -> HypercornConfig:
 
 
 def _idle(registry: Registry) -> bool:
-    return all(i.scheduler.idle for i in registry.instances)
+    """No turn running or queued, and no request routed to a model still preparing one (`handling`)."""
+    return not any(i.busy for i in registry.instances)
 
 
 async def _drain(state: ServerState, options: ServeOptions, shutdown: trio.Event) -> None:
