@@ -705,6 +705,26 @@ def test_a_watch_ends_when_its_model_is_unloaded(default_model_path: Path, tmp_p
         s.stop()
 
 
+def test_a_watch_ends_properly_when_the_server_stops(default_model_path: Path, tmp_path: Path) -> None:
+    """At shutdown (after the drain) an open watch gets a last comment and the end of its response, so that a
+    client can tell a stopping server from a network fault."""
+    s = start_server(default_model_path, tmp_path)
+    try:
+        chat(s, req(FRANCE, max_tokens=2, session_id="v"))
+        w = Watch(s, "session_id=v")
+        assert w.status == 200, w.head
+        s.signal(signal.SIGTERM)
+        w.sock.settimeout(20)
+        rest = b""
+        while chunk := w.sock.recv(65536):
+            rest += chunk
+        w.close()
+        assert b"server shutting down" in rest and rest.endswith(b"0\r\n\r\n"), rest
+        assert s.wait(30) == 0
+    finally:
+        s.stop()
+
+
 # -- restart with --session-dir ------------------------------------------------------------------------------
 
 def test_sessions_survive_a_restart(default_model_path: Path, tmp_path: Path) -> None:

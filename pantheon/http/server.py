@@ -119,6 +119,9 @@ async def _drain(state: ServerState, options: ServeOptions, shutdown: trio.Event
                 log.info("%s: saved %d session(s) to %s", instance.name, n, options.session_dir)
             except OSError as exc:
                 log.error("%s: could not save sessions: %s", instance.name, exc)
+    for instance in state.registry.instances:
+        instance.scheduler.stopping.set()  # open watches end with a last comment, not a cut connection
+    await trio.sleep(0.1)
     shutdown.set()
 
 

@@ -176,17 +176,23 @@ async def watch(registry: Registry, grace_s: float, scope: dict[str, Any], recei
         await start_sse(send)
         await send({"type": "http.response.body", "body": b": watch established\n\n", "more_body": True})
         async with trio.open_nursery() as nursery:
+            async def until(event: Any) -> None:
+                await event.wait()
+                nursery.cancel_scope.cancel()
+
             async def client_gone() -> None:
                 while (await receive())["type"] != "http.disconnect":
                     pass
                 nursery.cancel_scope.cancel()
 
             nursery.start_soon(client_gone)
-            await scheduler.closed.wait()  # the model was unloaded: its sessions are gone, so is the hold
-            nursery.cancel_scope.cancel()
+            nursery.start_soon(until, scheduler.closed)  # the model was unloaded: its sessions are gone
+            nursery.start_soon(until, scheduler.stopping)  # the server stops (after its drain)
         if scheduler.closed.is_set():
             await send({"type": "http.response.body", "body": b": session released: model unloaded\n\n",
                         "more_body": False})
+        elif scheduler.stopping.is_set():
+            await send({"type": "http.response.body", "body": b": server shutting down\n\n", "more_body": False})
     finally:
         with trio.CancelScope(shield=True):
             if table.unhold(session_id) == 0 and not scheduler.closed.is_set():

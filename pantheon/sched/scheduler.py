@@ -133,6 +133,7 @@ class Scheduler:
         self._nursery: trio.Nursery | None = None
         self.steps_run = 0
         self.closed = trio.Event()  # set when the instance is unloaded: its sessions are gone
+        self.stopping = trio.Event()  # set when the server stops after its drain (sessions saved, if asked)
         self._watch_graces: dict[str, int] = {}  # session id -> the number of its latest watch grace
 
     # -- capacity ------------------------------------------------------------------------------------------
