@@ -19,8 +19,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
 from pantheon.kernels.cuda import decode_step
 
 
@@ -106,17 +104,6 @@ class DieSegments:
         return decode_step.CudaDecodePlan(blocks, output_norm, head_dim, tok_embd, output, layer_backends=layers,
                                           output_backend=self.last)
 
-    @staticmethod
-    def kernel_pools(pools: list[Any]) -> list[Any]:
-        """The model's own list, as on one die (`heal_rings` replaces its entries)."""
-        return pools
-
-    def decode_step(self, plan: decode_step.CudaDecodePlan, tokens: np.ndarray, eps: float, k_pools: list[Any],
-                    v_pools: list[Any], slots: np.ndarray, positions: np.ndarray, n_q_heads: int, n_rot: int,
-                    freq_base: float, freq_scale: float, scale: float) -> np.ndarray:
-        return decode_step.run_step(self.first, plan, tokens, eps, k_pools, v_pools, slots, positions, n_q_heads,
-                                    n_rot, freq_base, freq_scale, scale)
-
     def heal_rings(self, k_pools: list[Any], v_pools: list[Any]) -> None:
         """Each die retries its own layers' host rings (with its context current)."""
         n_layers = len(k_pools)
@@ -138,8 +125,9 @@ class DieSegments:
             die.synchronize()
 
     def __getattr__(self, name: str) -> Any:
-        # Everything else (upload, embed, to_host, vector ...) is the first die's. Not the hybrid decode plan: only
-        # llama models are split over dies (registry.SEGMENTED_ARCHITECTURES).
+        # Everything else (upload, embed, to_host, vector ...) is the first die's, `decode_step` included: the plan
+        # it is given says which die runs which layers. Not the hybrid decode plan: only llama models are split
+        # over dies (registry.SEGMENTED_ARCHITECTURES).
         if name in ("dies", "hybrid_decode_plan"):
             raise AttributeError(name)
         return getattr(self.dies[0], name)
