@@ -1,4 +1,5 @@
-"""A llama decode step on the cuda backend, replayable as CUDA graphs: one graph slot per layer and batch size.
+"""A llama decode step on the cuda backend, replayable as CUDA graphs: one graph slot per layer and batch size,
+or, for a model over several dies, one per die's run of layers and batch size.
 
 A captured graph replays the kernel launches it recorded, with the pointers and scalars they had then. So every
 array a layer's launches touch is allocated once per batch size (`StepBuffers`) and kept, and every value that
@@ -16,7 +17,11 @@ A layer whose KV ring lives in host memory (attention residency) runs its cache 
 which needs syncs; its slot is ineligible while that lasts, and eligible again once the ring is back on the die.
 A ring that moves (a new state, or one healed onto the die) gets its layer's graphs dropped and captured anew.
 
-`step_ids`, `embed_step`, `run_layer`, `attend`, `step_logits` and `SharedRows` serve the Qwen3.5-family step too
+Over several dies (segments.py) each die's run of layers is one slot ("segment", segment, batch size), class
+`segment`, on that die's graphs; between two runs the residual stream, the normed input and the ids go to the
+next die's buffers through the host (`hand_over`), outside the graphs.
+
+`step_ids`, `embed_step`, `run_slot`, `attend`, `step_logits` and `SharedRows` serve the Qwen3.5-family step too
 (hybrid_step.py).
 """
 
