@@ -249,7 +249,7 @@ async def _run_choice(completion: Completion, index: int, on_delta: Any = None, 
                 elif isinstance(event, FinishEvent):
                     result.finish_reason = event.reason
                     result.usage = event.usage
-                    if event.end is not None:
+                    if event.end_token:
                         result.output.end_token()
                 elif isinstance(event, ErrorEvent):
                     # A failure after generation began closes the choice normally (spec: finish "stop").

@@ -79,8 +79,7 @@ def _seed(body: Mapping[str, Any]) -> int | None:
     value = body.get("seed")
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise invalid_request("'seed' must be a number")
+    _number(body, "seed", 0.0)  # refuses what is not a finite number; an integer seed stays exact
     return int(value)
 
 

@@ -121,7 +121,6 @@ async def _drain(state: ServerState, options: ServeOptions, shutdown: trio.Event
                 log.error("%s: could not save sessions: %s", instance.name, exc)
     for instance in state.registry.instances:
         instance.scheduler.stopping.set()  # open watches end with a last comment, not a cut connection
-    await trio.sleep(0.1)
     shutdown.set()
 
 

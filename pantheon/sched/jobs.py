@@ -82,9 +82,9 @@ class TokenEvent:
 class FinishEvent:
     reason: str  # "stop" | "length" | "repetition_loop"
     usage: Usage
-    # The end-of-generation token the turn ended on, when it did: a completion token like any other (as
-    # llama-server and vLLM count it), though it has no text and is not kept in the session.
-    end: SampledToken | None = None
+    # The turn ended on an end-of-generation token: a completion token like any other (as llama-server and vLLM
+    # count it), though it has no text and is not kept in the session.
+    end_token: bool = False
 
 
 @dataclass(frozen=True)

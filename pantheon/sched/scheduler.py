@@ -567,13 +567,13 @@ class Scheduler:
         controller = active.job.constraint
         if token in active.job.stop_ids:
             if controller is None or controller.stop_requested(token):
-                self._finish(active, "stop", end=sampled)
+                self._finish(active, "stop", end_token=True)
                 return
             # The controller appends closing text instead (a constrained call the model ended inside of):
             # its first forced token replaces the end token; the rest are forced at the next steps.
             forced = controller.forced()
             if forced is None:
-                self._finish(active, "stop", end=sampled)
+                self._finish(active, "stop", end_token=True)
                 return
             sampled = SampledToken(forced)
             token = forced
@@ -606,11 +606,11 @@ class Scheduler:
                      completion_tokens=len(active.generated), kv_used=len(active.slot.tokens),
                      kv_cap=self.kv_cap, session_conflict=active.conflict)
 
-    def _finish(self, active: Active, reason: str, end: SampledToken | None = None) -> None:
-        """End a turn; `end`: the end-of-generation token it ended on (counted as decoded, never fed)."""
-        if end is not None:
+    def _finish(self, active: Active, reason: str, end_token: bool = False) -> None:
+        """End a turn; `end_token`: on an end-of-generation token (counted as decoded, never fed)."""
+        if end_token:
             self.metrics.inc("pantheon_tokens_decoded_total", model=self.served.name)
-        self._send(active.events, FinishEvent(reason, self._usage(active), end))
+        self._send(active.events, FinishEvent(reason, self._usage(active), end_token))
         self._release(active)
 
     def _fail(self, owners: list[Active], exc: Exception) -> None:
