@@ -1,5 +1,6 @@
 """Aggregate decode throughput and time to first token at 1, 2, 4 and 8 concurrent streams, over HTTP against
-a real `pantheon serve` on the default model; plus single-stream HTTP decode vs in-process decode.
+a real `pantheon serve` on the default model; beside them the same levels decoded in-process by Pantheon
+and by llama.cpp; and single-stream HTTP decode vs in-process decode.
 
     .venv/bin/python bench/concurrency.py [--levels 1,2,4,8] [--tokens 128] [--runs 3] [--threads 0]
 
@@ -17,11 +18,13 @@ stream took ~420 us of CPU per token). Per level:
                           prefill and queueing)
   TTFT                    median and max over the streams, from sending the request to its first content
 
-The in-process figure decodes greedily with batch 1 straight on the model (as bench/decode.py does), same
-thread count, same prompt, in this process, once per round before the HTTP levels (the server idle meanwhile);
-the HTTP / in-process ratio is the median of the per-round ratios. Both run the int8-activation path by
-default (where the CPU has the instructions); PANTHEON_CPU_INT8=0 measures the float32 path. Prints a table
-and writes bench/results/<date>-concurrency.json.
+Beside the HTTP levels, every round also decodes the same prompts in this process (the server idle
+meanwhile), at the same levels and thread count, with `bench/batched.py`: Pantheon's model with B sequences in
+one forward pass a step, and llama.cpp (llama-cpp-python's C API, where the `bench` extra is installed) with
+B sequence ids in one llama_decode a step. Those show what the batched step itself gains from 1 to 8 streams on
+each engine, free of the server. The HTTP / in-process ratio (1 stream) is the median of the per-round ratios.
+Pantheon runs the int8-activation path by default (where the CPU has the instructions); PANTHEON_CPU_INT8=0
+measures the float32 path. Prints a table and writes bench/results/<date>-concurrency.json.
 """
 
 from __future__ import annotations
@@ -31,14 +34,13 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.batched import LlamaCppBatched, PantheonBatched  # noqa: E402
 from bench.common import default_model, write_result  # noqa: E402
 from bench.sse_client import stream_chat_completions  # noqa: E402
 from tests.server_process import ServerProcess  # noqa: E402
@@ -98,40 +100,14 @@ def run_level(server: ServerProcess, n: int, tokens: int, bias: dict[str, float]
     }
 
 
-class InProcessDecoder:
-    """Greedy batch-1 decode straight on the model (as bench/decode.py does), in this process, with no server
-    running: the figure the single HTTP stream is compared with."""
+def _medians(runs: list[dict[str, float]]) -> dict[str, Any]:
+    row: dict[str, Any] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    row["runs"] = runs
+    return row
 
-    def __init__(self, path: Path, threads: int, prompt: str) -> None:
-        from pantheon.config import ModelOptions, read_env
-        from pantheon.engine.loader import load_served_model
-        from pantheon.kernels.cpu.backend import CpuBackend
 
-        served = load_served_model(ModelOptions(path=path, name="bench"), read_env(),
-                                   CpuBackend(threads, int8=read_env().cpu_int8))
-        self.model = served.model
-        text = served.template.render([{"role": "user", "content": prompt}], add_generation_prompt=True, extra={})
-        self.tokens = np.array(served.tokenizer.encode(text, parse_special=True), np.int32)
-        self.end_ids = list(set(served.tokenizer.stop_ids))
-
-    def run(self, n_decode: int) -> dict[str, float]:
-        from pantheon.models.base import BatchRow
-
-        state = self.model.new_state(1, len(self.tokens) + n_decode + 8)
-        t = time.perf_counter()
-        logits = self.model.forward(state, [BatchRow(0, self.tokens, 0)])
-        prefill = len(self.tokens) / (time.perf_counter() - t)
-        row = logits[0].copy()
-        row[self.end_ids] = -np.inf
-        tok, pos = int(np.argmax(row)), len(self.tokens)
-        t = time.perf_counter()
-        for _ in range(n_decode):
-            logits = self.model.forward(state, [BatchRow(0, np.array([tok], np.int32), pos)])
-            row = logits[0].copy()
-            row[self.end_ids] = -np.inf
-            tok, pos = int(np.argmax(row)), pos + 1
-        return {"decode_tok_s": n_decode / (time.perf_counter() - t), "prefill_tok_s": prefill,
-                "prompt_tokens": len(self.tokens)}
+def _round_ratios(runs: list[dict[str, Any]], ones: list[dict[str, Any]], key: str, one_key: str) -> list[float]:
+    return [r[key] / one[one_key] for r, one in zip(runs, ones)]
 
 
 def main() -> None:
@@ -148,9 +124,13 @@ def main() -> None:
     path = default_model()
     load_before = os.getloadavg()
 
-    decoder = InProcessDecoder(path, threads, PROMPTS[0])
-    decoder.run(16)  # warm-up
-    inproc_runs: list[dict[str, float]] = []
+    decoder = PantheonBatched(path, threads)
+    prompts = [decoder.prompt_ids(PROMPTS[i % len(PROMPTS)]) for i in range(max(levels))]
+    decoder.run(prompts[:1], 16)  # warm-up
+    reference = LlamaCppBatched.load(path, threads, max(levels), max(map(len, prompts)) + args.tokens + 8,
+                                     decoder.end_ids)
+    inproc: dict[int, list[dict[str, float]]] = {n: [] for n in levels}
+    llama: dict[int, list[dict[str, float]]] = {n: [] for n in levels}
 
     bias = {str(t): -100 for t in end_token_ids(path)}
     log = Path(tempfile.mkdtemp(prefix="bench-concurrency-")) / "serve.log"
@@ -162,53 +142,71 @@ def main() -> None:
         # drifts by 10-30% over minutes, and a ratio between levels should compare neighbouring minutes.
         by_level: dict[int, list[dict[str, Any]]] = {n: [] for n in levels}
         for _ in range(args.runs):
-            # In-process decode in every round too, so that the HTTP / in-process ratio compares neighbouring
-            # minutes (one in-process figure before all the rounds gave 0.84 and 1.10 in two runs of one tree).
-            inproc_runs.append(decoder.run(args.tokens))
+            # In-process decodes in every round too (the server idle meanwhile), so that HTTP / in-process and
+            # Pantheon / llama.cpp compare neighbouring minutes (one in-process figure before all the rounds
+            # gave 0.84 and 1.10 in two runs of one tree).
+            for n in levels:
+                inproc[n].append(decoder.run(prompts[:n], args.tokens))
+                if reference is not None:
+                    llama[n].append(reference.run(prompts[:n], args.tokens))
             for n in levels:
                 by_level[n].append(run_level(server, n, args.tokens, bias, args.temperature))
         rows = []
         for n, runs in by_level.items():
-            row = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+            row = _medians(runs)
             row["streams"] = n
-            row["runs"] = runs
             rows.append(row)
     finally:
         server.stop()
+        if reference is not None:
+            reference.close()
     load_after = os.getloadavg()
 
-    base = rows[0]["aggregate_decode_tok_s"] if rows and rows[0]["streams"] == 1 else float("nan")
-    if rows and rows[0]["streams"] == 1:
-        # The ratio to 1 stream also taken within each round (the levels minutes apart at most).
+    one = levels[0] == 1
+    in_rows = {n: _medians(inproc[n]) for n in levels}
+    ll_rows = {n: _medians(llama[n]) for n in levels} if reference is not None else {}
+    if one:
+        # Every ratio to 1 stream is also taken within each round (the levels minutes apart at most).
         for row in rows[1:]:
-            row["round_ratios"] = [r["aggregate_decode_tok_s"] / one["aggregate_decode_tok_s"]
-                                   for r, one in zip(row["runs"], rows[0]["runs"])]
+            row["round_ratios"] = _round_ratios(row["runs"], rows[0]["runs"], "aggregate_decode_tok_s",
+                                                "aggregate_decode_tok_s")
+        for table in (in_rows, ll_rows):
+            for n, row in table.items():
+                row["round_ratios"] = _round_ratios(row["runs"], table[1]["runs"], "decode_tok_s", "decode_tok_s")
+    nan = float("nan")
+
+    def of_one(table: dict[int, dict[str, Any]], n: int) -> float:
+        return statistics.median(table[n]["round_ratios"]) if one and n in table else nan
+
+    def rate(table: dict[int, dict[str, Any]], n: int) -> float:
+        return table[n]["decode_tok_s"] if n in table else nan
+
     print(f"SmolLM2-135M-Instruct Q4_1, {threads} threads, {args.tokens} tokens per stream, temperature "
           f"{args.temperature:g}, median of {args.runs} rounds; "
           f"load average {load_before[0]:.1f} before, {load_after[0]:.1f} after")
-    print(f"{'streams':>7}{'agg decode tok/s':>18}{'x 1 stream':>12}{'per stream':>12}{'overall tok/s':>15}"
-          f"{'TTFT med s':>12}{'TTFT max s':>12}")
+    print("aggregate decode tok/s (x 1 stream: the median of the per-round ratios); HTTP: pantheon serve, the "
+          "scheduler's batched steps; in-process: one forward pass of B sequences a step, no server")
+    print(f"{'streams':>7}{'HTTP':>9}{'x 1':>7}{'in-proc':>9}{'x 1':>7}{'llama.cpp':>11}{'x 1':>7}"
+          f"{'in-proc/llama':>15}{'overall':>9}{'TTFT med':>10}{'TTFT max':>10}")
     for row in rows:
         n, agg = row["streams"], row["aggregate_decode_tok_s"]
-        print(f"{n:>7}{agg:>18.1f}{agg / base:>12.2f}{agg / n:>12.1f}{row['overall_tok_s']:>15.1f}"
-              f"{row['ttft_median_s']:>12.2f}{row['ttft_max_s']:>12.2f}")
-    for row in rows:
-        if "round_ratios" in row:
-            print(f"{row['streams']} streams / 1 stream, round by round: "
-                  f"{' '.join(f'{x:.2f}' for x in row['round_ratios'])} (median "
-                  f"{statistics.median(row['round_ratios']):.2f})")
-    http_one = rows[0]["aggregate_decode_tok_s"] if rows[0]["streams"] == 1 else float("nan")
-    inproc = {k: statistics.median(r[k] for r in inproc_runs) for k in inproc_runs[0]}
-    inproc["runs"] = inproc_runs
-    round_ratios = ([one["aggregate_decode_tok_s"] / ip["decode_tok_s"]
-                     for one, ip in zip(rows[0]["runs"], inproc_runs)] if rows[0]["streams"] == 1 else [float("nan")])
-    ratio = statistics.median(round_ratios)
-    print(f"single stream decode: HTTP {http_one:.1f} tok/s, in-process {inproc['decode_tok_s']:.1f} tok/s "
-          f"(medians); HTTP / in-process round by round: {' '.join(f'{x:.2f}' for x in round_ratios)} "
-          f"(median {ratio:.2f})")
+        http_x = statistics.median(row["round_ratios"]) if "round_ratios" in row else 1.0
+        print(f"{n:>7}{agg:>9.1f}{http_x:>7.2f}{rate(in_rows, n):>9.1f}{of_one(in_rows, n):>7.2f}"
+              f"{rate(ll_rows, n):>11.1f}{of_one(ll_rows, n):>7.2f}{rate(in_rows, n) / rate(ll_rows, n):>15.2f}"
+              f"{row['overall_tok_s']:>9.1f}{row['ttft_median_s']:>10.2f}{row['ttft_max_s']:>10.2f}")
+    for row in rows[1:] if one else []:
+        print(f"{row['streams']} streams / 1 stream over HTTP, round by round: "
+              f"{' '.join(f'{x:.2f}' for x in row['round_ratios'])}")
+    http_ratio = ([r["aggregate_decode_tok_s"] / ip["decode_tok_s"] for r, ip in zip(rows[0]["runs"], inproc[1])]
+                  if one else [nan])
+    ratio = statistics.median(http_ratio)
+    print(f"single stream decode: HTTP {rows[0]['aggregate_decode_tok_s']:.1f} tok/s, in-process "
+          f"{rate(in_rows, levels[0]):.1f} tok/s (medians); HTTP / in-process round by round: "
+          f"{' '.join(f'{x:.2f}' for x in http_ratio)} (median {ratio:.2f})")
     out = write_result("concurrency", {"args": vars(args), "threads": threads, "load_avg_before": load_before,
-                                       "load_avg_after": load_after, "levels": rows, "in_process": inproc,
-                                       "http_vs_in_process": ratio, "http_vs_in_process_rounds": round_ratios})
+                                       "load_avg_after": load_after, "levels": rows,
+                                       "in_process_levels": in_rows, "llama_cpp_levels": ll_rows or None,
+                                       "http_vs_in_process": ratio, "http_vs_in_process_rounds": http_ratio})
     print(f"wrote {out}")
 
 
