@@ -643,6 +643,36 @@ async def test_a_job_cancelled_while_its_step_runs_keeps_only_what_came_before()
     assert model.steps == 2
 
 
+async def test_a_recurrent_model_feeds_no_token_past_a_cancel_its_consumer_makes_on_reading_it() -> None:
+    """A recurrent state cannot drop a fed token, so the scheduler lets the consumers read a step's tokens before
+    it plans the next: a consumer that cancels on reading a token (a stop string in it) always ends the turn
+    before that token is fed, and the usage is the same every time (kv_used = prompt + completion - 1). trio runs
+    ready tasks in random order, so a single yield left this to chance (kv_used 7 or 8 across identical turns)."""
+    from pantheon.sched.jobs import FinishEvent, TokenEvent
+
+    model = FakeModel()
+    model.supports_prefix_rewind = False
+    model.snapshot_slot = lambda state, slot: None
+    sched = fake_scheduler(model, max_concurrent=1)
+    usages = []
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sched.run)
+        for _ in range(24):
+            job = fake_job(100)
+            events = sched.submit(job)
+            seen = 0
+            with trio.fail_after(10):
+                async for event in events:
+                    if isinstance(event, TokenEvent):
+                        seen += 1
+                        if seen == 3:
+                            job.cancel()
+                    elif isinstance(event, FinishEvent):
+                        usages.append((event.usage.completion_tokens, event.usage.kv_used))
+        nursery.cancel_scope.cancel()
+    assert usages == [(3, 5 + 3 - 1)] * 24, usages
+
+
 class CountingModel(FakeModel):
     """FakeModel that counts its forward passes and the decode rows of each."""
 

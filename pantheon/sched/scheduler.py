@@ -52,6 +52,8 @@ PREFILL_CHUNK = 256
 # Before a rate has been measured (spec: "a fixed fallback before one is measured").
 FALLBACK_PREFILL_TOK_S = 100.0
 FALLBACK_DECODE_TOK_S = 20.0
+# Recurrent models: scheduling rounds a step waits for its consumers to read its tokens (`_let_consumers_catch_up`).
+CATCH_UP_ROUNDS = 4
 
 
 @dataclass
@@ -77,6 +79,15 @@ class Active:
     @property
     def prefilling(self) -> bool:
         return self.prompt_done < len(self.job.prompt)
+
+
+def _caught_up(active: Active) -> bool:
+    """Whether the consumer of `active` has read every event sent to it and waits for the next (or the turn is
+    over, or nobody reads any more)."""
+    if active.released or active.job.cancelled:
+        return True
+    stats = active.events.statistics()
+    return stats.current_buffer_used == 0 and (stats.tasks_waiting_receive > 0 or stats.open_receive_channels == 0)
 
 
 @dataclass
@@ -293,10 +304,20 @@ class Scheduler:
             self.steps_run += 1
             self._note_timing(rows, prefill, time.monotonic() - started)
             self._deliver(rows, owners, samples)
-            # A recurrent state cannot drop a fed token: the consumers get their turn before the next step, and a
-            # cancel they make (a stop string) saves it.
             if not self.rewindable:
-                await trio.lowlevel.checkpoint()
+                await self._let_consumers_catch_up(owners)
+
+    async def _let_consumers_catch_up(self, owners: list[Active]) -> None:
+        """A recurrent state cannot drop a fed token, so the consumers read a step's tokens before the next step
+        is planned: a cancel they make (a stop string, a client gone) then comes before the token is fed, and a
+        turn's usage (kv_used) does not depend on who ran first. One checkpoint was not enough: trio runs a
+        batch of ready tasks in random order, and this task could plan again before a consumer had read.
+        Waits until each live consumer is back in `receive` with nothing left to read; a consumer busy
+        elsewhere (a stream writing to a slow client) is given up on after a few rounds."""
+        for _ in range(CATCH_UP_ROUNDS):
+            await trio.lowlevel.checkpoint()
+            if all(_caught_up(active) for active in owners):
+                return
 
     async def _decode_run(self, rows: list[BatchRow], owners: list[Active]) -> None:
         """Decode steps of a rewindable model, run back to back by the forward thread (`_decode_chain`) for as
