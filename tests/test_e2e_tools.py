@@ -200,6 +200,21 @@ def test_a_required_call_with_an_invalid_parameter_schema_is_400(smollm_server: 
     assert httpx.post(url, timeout=60, json=body).status_code == 200
 
 
+def test_a_required_call_whose_schema_cannot_be_enforced_is_400(smollm_server: ServerProcess) -> None:
+    """A schema that passes the metaschema but that the grammar cannot enforce (here: no integer is both >= 5
+    and <= 1) is refused too, streamed or not, instead of a "required" turn decoded without its grammar."""
+    unsatisfiable = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "integer", "minimum": 5, "maximum": 1}}, "required": ["x"]}}}]
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": unsatisfiable, "max_tokens": 4,
+            "tool_choice": "required"}
+    url = smollm_server.base_url + "/v1/chat/completions"
+    for stream in (False, True):
+        r = httpx.post(url, timeout=60, json={**body, "stream": stream})
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
+        assert "cannot be enforced" in r.json()["error"]["message"]
+    assert httpx.post(url, timeout=60, json={**body, "tool_choice": "auto"}).status_code == 200
+
+
 @pytest.mark.parametrize("tools", [None, []])
 def test_required_without_tools_is_400(smollm_server: ServerProcess, tools: list | None) -> None:
     body = {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required", "max_tokens": 4}

@@ -98,6 +98,15 @@ def test_seed_is_any_number_and_model_any_value() -> None:
     assert parse(model=3).model == "3" and parse(model={"a": 1}).model == '{"a":1}'
 
 
+def test_replayed_calls_take_json_text_or_an_object_as_arguments() -> None:
+    calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}},
+             {"id": "c2", "type": "function", "function": {"name": "g", "arguments": {"b": 2}}},
+             {"id": "c3", "type": "function", "function": {"name": "h"}}]
+    request = parse_chat_request({"messages": [{"role": "user", "content": "hi"},
+                                               {"role": "assistant", "content": None, "tool_calls": calls}]})
+    assert request.messages[1].tool_calls == calls
+
+
 @pytest.mark.parametrize("body", [
     [], "x", {}, {"messages": []}, {"messages": "hi"}, {"messages": [1]},
     {"messages": MSG, "temperature": "hot"}, {"messages": MSG, "max_tokens": "many"},
@@ -110,6 +119,11 @@ def test_seed_is_any_number_and_model_any_value() -> None:
     {"messages": MSG, "max_tokens": 2.5}, {"messages": MSG, "n": 1.5}, {"messages": MSG, "top_k": 1.5},
     {"messages": MSG, "seed": True}, {"messages": MSG, "session_id": 5}, {"messages": MSG, "prompt_cache_key": ["a"]},
     {"messages": MSG, "min_p": "x"}, {"messages": MSG, "parallel_tool_calls": "no"},
+    # Replayed calls: OpenAI's shape (an object whose function has a name and JSON-text arguments).
+    *({"messages": [{"role": "assistant", "content": None, "tool_calls": calls}]} for calls in (
+        "x", [1], [{"id": "c"}], [{"function": "f"}], [{"function": {"arguments": "{}"}}],
+        [{"function": {"name": "", "arguments": "{}"}}], [{"function": {"name": "f", "arguments": 5}}],
+        [{"function": {"name": "f", "arguments": ["a"]}}])),
 ])
 def test_invalid_bodies_are_400(body: object) -> None:
     with pytest.raises(ApiError) as info:

@@ -207,8 +207,8 @@ def check_events(events: list, dialect: str) -> Parsed:
     return Parsed(joined, calls, errors)
 
 
-def parse(dialect: str, pieces: list[str]) -> Parsed:
-    parser = DIALECTS[dialect].parser(TOOLS)
+def parse(dialect: str, pieces: list[str], tools: list | None = None) -> Parsed:
+    parser = DIALECTS[dialect].parser(TOOLS if tools is None else tools)
     events = []
     for p in pieces:
         events += parser.feed(p)
@@ -249,6 +249,19 @@ def test_render_assistant_round_trip(case: Case) -> None:
                   for i, (n, a) in enumerate(first.calls)]
     rendered = DIALECTS[case.dialect].render_assistant(first.text, tool_calls)
     assert parse(case.dialect, [rendered]) == first
+
+
+def test_a_declared_argument_name_with_a_bracket_is_read_whole() -> None:
+    """`<parameter=x>y>` (what a grammar writes for an argument named "x>y") names "x>y", not "x": the tag's
+    first '>' would cut a declared name short. Undeclared names still end at the first '>'."""
+    tools = parse_tools([_fn("cmp", {"x>y": {"type": "integer"}, "x>y>z": {"type": "string"},
+                                     "x": {"type": "string"}}, ["x>y"])])
+    output = call("cmp", param("x>y", "-1") + param("x>y>z", "deep") + param("x", "a>b") + param("u>v", "1"))
+    whole = parse("qwen_xml", [output], tools)
+    assert [(n, json.loads(a)) for n, a in whole.calls] == [("cmp", {"x>y": -1, "x>y>z": "deep", "x": "a>b", "u": "v>\n1"})]
+    assert parse("qwen_xml", list(output), tools) == whole
+    for seed in range(5):
+        assert parse("qwen_xml", token_pieces(output, seed), tools) == whole
 
 
 @pytest.mark.parametrize("dialect", sorted(DIALECTS))

@@ -102,6 +102,29 @@ def _content_text(content: Any) -> str:
     return ""
 
 
+def _parse_tool_calls(index: int, raw: Any) -> list[dict] | None:
+    """An assistant message's replayed calls, checked as OpenAI shapes them: each an object whose `function`
+    has a name and arguments given as JSON text (an object is taken too, as llama.cpp does)."""
+    if raw is None:
+        return None
+    if not isinstance(raw, list):
+        raise invalid_request(f"messages[{index}].tool_calls must be an array")
+    for j, call in enumerate(raw):
+        where = f"messages[{index}].tool_calls[{j}]"
+        if not isinstance(call, dict):
+            raise invalid_request(f"{where} must be an object")
+        function = call.get("function")
+        if not isinstance(function, dict):
+            raise invalid_request(f"{where}.function must be an object")
+        name = function.get("name")
+        if not isinstance(name, str) or not name:
+            raise invalid_request(f"{where}.function.name must be a non-empty string")
+        arguments = function.get("arguments")
+        if arguments is not None and not isinstance(arguments, (str, dict)):
+            raise invalid_request(f"{where}.function.arguments must be a string of JSON text or an object")
+    return raw
+
+
 def _parse_message(index: int, raw: Any) -> Message:
     if not isinstance(raw, dict):
         raise invalid_request(f"messages[{index}] must be an object")
@@ -113,14 +136,12 @@ def _parse_message(index: int, raw: Any) -> Message:
     reasoning = raw.get("reasoning_content")
     if reasoning is None:
         reasoning = raw.get("reasoning")  # other servers' spelling of the same field
-    tool_calls = raw.get("tool_calls")
-    if tool_calls is not None and not isinstance(tool_calls, list):
-        raise invalid_request(f"messages[{index}].tool_calls must be an array")
+    tool_calls = _parse_tool_calls(index, raw.get("tool_calls"))
     return Message(
         role=role,
         content=_content_text(raw.get("content")),
         reasoning_content=reasoning if isinstance(reasoning, str) and reasoning else None,
-        tool_calls=[c for c in tool_calls if isinstance(c, dict)] if tool_calls else None,
+        tool_calls=tool_calls or None,
         tool_call_id=raw.get("tool_call_id") if isinstance(raw.get("tool_call_id"), str) else None,
         name=raw.get("name") if isinstance(raw.get("name"), str) else None,
     )

@@ -142,6 +142,12 @@ def plan(served: LoadedModel, request: ChatRequest, env: EnvKnobs, dialect: Dial
          think_mode: str) -> Structure:
     structure = Structure(dialect=dialect, tools=tools)
     structure.grammar, structure.call_forced = _tool_grammar(dialect, tools, request, env, think_mode)
+    if structure.grammar is not None and served.lltokenizer is not None:
+        # A schema that passes the metaschema but cannot be enforced (unsatisfiable bounds, a construct the
+        # grammar engine lacks): refused, as an invalid one is, rather than decoded unconstrained.
+        error = _compile_error(served.lltokenizer, structure.grammar)
+        if error is not None:
+            raise invalid_request(f"the tools' parameter schemas cannot be enforced by the grammar: {error}")
     if request.response_format is not None:
         if tools:  # tools offered (not turned off by tool_choice "none") win
             structure.response_format_status = "ignored_tools_present"

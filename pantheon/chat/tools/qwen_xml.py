@@ -80,12 +80,29 @@ class QwenXmlParser(XmlCallParser):
         return True
 
     def _in_key(self, final: bool) -> bool:
-        key = self._tag_name(OPEN_PARAMETER)
+        declared = self._declared_key_with_bracket(final)
+        if declared is False:
+            return False  # the buffer may still become one of those names: wait for more text
+        key = declared if declared is not None else self._tag_name(OPEN_PARAMETER)
         if key is None:
             return self._state == "skip"
         self._begin_value(key)
         self._state = "newline"
         return True
+
+    def _declared_key_with_bracket(self, final: bool) -> str | None | bool:
+        """A declared argument name that itself contains '>' (`<parameter=x>y>`, as a grammar writes it), read
+        with its closing '>': the tag's first '>' would cut it short. The longest such name the text starts
+        with; None when none does; False while the text so far could still become one."""
+        assert self._name is not None
+        properties = self._tools[self._name].parameters.get("properties")
+        names = [k for k in properties if ">" in k] if isinstance(properties, dict) else []
+        matched = max((k for k in names if self._buf.startswith(k + ">")), key=len, default=None)
+        if not final and any(len(k) > len(matched or "") and (k + ">").startswith(self._buf) for k in names):
+            return False
+        if matched is not None:
+            self._consume(len(matched) + 1)
+        return matched
 
     def _tag_name(self, opener: str) -> str | None:
         """The NAME of `<function=NAME>` or `<parameter=NAME>` (quotes forgiven), read through the '>'. None while
