@@ -8,6 +8,10 @@ validates), plus the parser/renderer round trip through the HTTP layer.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import jsonschema
@@ -345,3 +349,53 @@ async def test_constraint_holds_for_8_concurrent_streams(eight_slot_server: Serv
     # is the model's luck (50-75% a seed, see test_required_returns_one_well_formed_call): at least 4 of 8 failed
     # by chance ~6% of the time; at least 2, ~0.2%.
     assert sum(made) >= 2, made
+
+
+# --- MiniCPM's attribute dialect (a llama model whose template writes BOS) ---
+
+ADD = {"type": "function", "function": {"name": "add", "description": "Add two numbers", "parameters": {
+    "type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}, "required": ["a", "b"]}}}
+
+
+@pytest.fixture(scope="module")
+def minicpm_server(default_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """The default model's weights under its template with a leading BOS: served in MiniCPM's dialect."""
+    import gguf
+
+    tmp = tmp_path_factory.mktemp("minicpm")
+    field = gguf.GGUFReader(str(default_model_path)).fields["tokenizer.chat_template"]
+    template = bytes(field.parts[field.data[0]]).decode("utf-8")
+    copy = tmp / "minicpm-like.gguf"
+    subprocess.run([sys.executable, "-m", "gguf.scripts.gguf_new_metadata", "--chat-template",
+                    "{{ bos_token }}" + template, str(default_model_path), str(copy)], check=True,
+                   capture_output=True)
+    server = ServerProcess(["--model", f"{copy}:minicpm-like"], log_path=tmp / "serve.log").start()
+    yield server
+    server.stop()
+
+
+@pytest.mark.parametrize("prompt", ["Say hi.", "Add 2 and 3."])
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_minicpm_required_turn_makes_one_typed_call(minicpm_server: ServerProcess, prompt: str,
+                                                     stream: bool) -> None:
+    """No grammar models MiniCPM's free text, but a turn that must call gets one: its end token is refused
+    until an offered function's call is complete (spec: "every dialect"), with typed arguments."""
+    body = {"model": "minicpm-like", "messages": [{"role": "user", "content": prompt}], "tools": [ADD],
+            "tool_choice": "required", "temperature": 0, "max_tokens": 60}
+    if stream:
+        r = httpx.post(minicpm_server.base_url + "/v1/chat/completions", json={**body, "stream": True}, timeout=300)
+        chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+        deltas = [c["choices"][0] for c in chunks if c["choices"]]
+        assert deltas[-1]["finish_reason"] == "tool_calls", r.text
+        calls = [call for d in deltas for call in d["delta"].get("tool_calls", [])]
+        name = calls[0]["function"]["name"]
+        arguments = "".join(call["function"]["arguments"] for call in calls)
+    else:
+        choice = chat(minicpm_server, **body)["choices"][0]
+        assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None, choice
+        (call,) = choice["message"]["tool_calls"]
+        name, arguments = call["function"]["name"], call["function"]["arguments"]
+    assert name == "add"
+    jsonschema.validate(json.loads(arguments), ADD["function"]["parameters"])
+    auto = chat(minicpm_server, **{**body, "tool_choice": "auto"})["choices"][0]
+    assert prompt != "Say hi." or auto["finish_reason"] == "stop" and auto["message"]["content"], auto

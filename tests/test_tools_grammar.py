@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from pantheon.chat.tools import DIALECTS, CallEnd, CallError, parse_tools
-from pantheon.chat.tools.grammar import json_object_grammar, tool_call_grammar
+from pantheon.chat.tools.grammar import minicpm_call_grammar, json_object_grammar, tool_call_grammar
 from pantheon.config import read_env
 from pantheon.engine.constraints import grammar_tokenizer
 from pantheon.errors import ApiError
@@ -266,6 +266,64 @@ def test_json_auto_and_think(vocab: Vocab) -> None:
     assert vocab.run(auto, 'Reading.\n```json\n{"name": "read", "arguments": {}}') == "reject"
     required = tool_call_grammar(JSON, OPENCODE_LIKE, mode="required", think="open")
     assert vocab.run(required, "plan</think>\n\n" + JSON_READ) == "accept"
+
+
+# --- MiniCPM attribute XML: the call a turn must make ---
+
+MINICPM = DIALECTS["minicpm_xml"]
+MINICPM_READ = '<function name="read"><param name="filePath">src/main.py</param><param name="offset">10</param></function>'
+MINICPM_WRITE = ('<function name="write">\n<param name="content"><![CDATA[x = 1\n<b>\n]]></param>\n'
+                 '<param name="filePath">a.py</param>\n</function>')
+
+
+@pytest.mark.parametrize("text", [MINICPM_READ, MINICPM_WRITE, "\n" + MINICPM_READ, '<function name="list"></function>',
+                                  '<function name="read"><param name="filePath">x</param></function>',
+                                  '<function name="todowrite"><param name="todos">[{"content": "a", "status": '
+                                  '"done", "priority": "low", "id": "1"}]</param></function>'])
+def test_minicpm_required_accepts_a_call(vocab: Vocab, text: str) -> None:
+    assert vocab.run(minicpm_call_grammar(MINICPM, OPENCODE_LIKE), text) == "accept"
+    parser = MINICPM.parser(OPENCODE_LIKE)
+    found = [e for e in parser.feed(text) + parser.finish() if isinstance(e, (CallEnd, CallError))]
+    assert len(found) == 1 and isinstance(found[0], CallEnd)
+
+
+@pytest.mark.parametrize("text", ["Sure. " + MINICPM_READ, "Hello!", '<function name="delete"></function>',
+                                  '<function name="read"><param name="encoding">x</param></function>',
+                                  '<function name="read"><param name="offset">10</param></function>',
+                                  '<function name="read"><param name="filePath">a</param><param name="offset">ten'
+                                  '</param></function>', MINICPM_READ + " and more"])
+def test_minicpm_required_rejects(vocab: Vocab, text: str) -> None:
+    assert vocab.run(minicpm_call_grammar(MINICPM, OPENCODE_LIKE), text) == "reject"
+
+
+def test_minicpm_required_ends_only_where_a_closing_text_completes_the_call(vocab: Vocab) -> None:
+    """The end token is refused before the call opens; inside it, the serve's closing texts complete it
+    wherever the end token is allowed (in a value: </param></function>; between params: </function>)."""
+    grammar = minicpm_call_grammar(MINICPM, OPENCODE_LIKE, think="optional")
+    assert not vocab.eos_allowed(grammar, "")
+    assert not vocab.eos_allowed(grammar, "<think>I will read it.</think>\n")
+    assert vocab.eos_allowed(grammar, MINICPM_READ)
+    for cut in (MINICPM_READ.index("src/") + 3, MINICPM_READ.index('<param name="offset">'),
+                MINICPM_READ.index("</function>")):
+        m = vocab.matcher(grammar)
+        assert m.consume_tokens(vocab.tokenizer.encode(MINICPM_READ[:cut], parse_special=False))
+        closed = []
+        for closing in MINICPM.closing_texts():
+            trial = m.deep_copy()
+            ids = vocab.tokenizer.encode(closing, parse_special=False)
+            if trial.validate_tokens(ids) == len(ids) and trial.consume_tokens(ids) and trial.is_accepting():
+                closed.append(closing)
+        assert closed[:1] == (["</param></function>"] if cut < MINICPM_READ.index("</param>") else ["</function>"])
+
+
+def test_minicpm_required_named_function(vocab: Vocab) -> None:
+    grammar = minicpm_call_grammar(MINICPM, OPENCODE_LIKE, function="write")
+    assert vocab.run(grammar, MINICPM_WRITE) == "accept"
+    assert vocab.run(grammar, MINICPM_READ) == "reject"
+    with pytest.raises(ApiError):
+        minicpm_call_grammar(MINICPM, OPENCODE_LIKE, function="nope")
+    with pytest.raises(ValueError):
+        minicpm_call_grammar(QWEN, OPENCODE_LIKE)
 
 
 def test_grammar_arguments_are_checked() -> None:

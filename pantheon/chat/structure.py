@@ -17,7 +17,8 @@ import jsonschema
 import llguidance
 
 from pantheon.chat.request import ChatRequest
-from pantheon.chat.tools import Dialect, ToolSpec, dialect_for, json_object_grammar, parse_tools, tool_call_grammar
+from pantheon.chat.tools import (Dialect, ToolSpec, dialect_for, json_object_grammar, minicpm_call_grammar, parse_tools,
+                                 tool_call_grammar)
 from pantheon.config import EnvKnobs
 from pantheon.engine.constraints import GrammarController
 from pantheon.engine.loader import LoadedModel
@@ -81,7 +82,13 @@ def _tool_grammar(dialect: Dialect, tools: list[ToolSpec], request: ChatRequest,
         raise invalid_request("tool_choice \"required\" needs at least one tool in 'tools'")
     if named is not None and named not in {t.name for t in tools}:
         raise invalid_request(f"tool_choice names function {named!r}, which is not among the offered tools")
-    if not tools or not dialect.grammar_capable or env.tool_grammar is False:
+    if not tools or env.tool_grammar is False:
+        return None, False
+    if not dialect.grammar_capable:
+        # No grammar models this dialect's arguments; a turn that must call still gets the call's frame, so
+        # that it cannot end before the call (spec: "every dialect").
+        if request.tool_choice == "required" or named is not None:
+            return minicpm_call_grammar(dialect, tools, function=named, think=think_mode), True
         return None, False
     if env.tool_grammar is None and request.tool_choice != "required":  # default: only "required" is constrained
         return None, False

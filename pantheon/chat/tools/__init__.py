@@ -14,14 +14,15 @@ import re
 
 from pantheon.chat.tools.base import (ArgsDelta, CallEnd, CallError, CallStart, Dialect, Event, TextDelta,
                                       ToolCallParser, ToolSpec, parse_tools)
-from pantheon.chat.tools.grammar import json_object_grammar, tool_call_grammar
+from pantheon.chat.tools.grammar import json_object_grammar, minicpm_call_grammar, tool_call_grammar
 from pantheon.chat.tools.json_calls import JsonCalls
 from pantheon.chat.tools.minicpm_xml import MiniCpmXml
 from pantheon.chat.tools.qwen_xml import QwenXml
 
 __all__ = [
     "ArgsDelta", "CallEnd", "CallError", "CallStart", "Dialect", "Event", "TextDelta", "ToolCallParser",
-    "ToolSpec", "parse_tools", "dialect_for", "DIALECTS", "tool_call_grammar", "json_object_grammar",
+    "ToolSpec", "parse_tools", "dialect_for", "DIALECTS", "tool_call_grammar", "minicpm_call_grammar",
+    "json_object_grammar",
 ]
 
 DIALECTS: dict[str, Dialect] = {d.name: d for d in (QwenXml(), MiniCpmXml(), JsonCalls())}

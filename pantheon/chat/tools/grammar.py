@@ -71,6 +71,42 @@ def tool_call_grammar(dialect: Dialect, tools: list[ToolSpec], *, mode: str, fun
     return build(offered, mode, _PRELUDE[think]) + _COMMON
 
 
+def minicpm_call_grammar(dialect: Dialect, tools: list[ToolSpec], *, function: str | None = None,
+                       think: str = "none") -> str:
+    """A Lark grammar for a turn that must call (tool_choice "required", or a named function) in MiniCPM's
+    attribute XML, the dialect with no "auto" grammar (its free text cannot be told from a call's opening
+    before the tag is written out). After the optional reasoning the output is one call to an offered
+    function: <function name="NAME">, then its arguments as <param name="KEY">VALUE</param> (required keys
+    first, then optional ones, each in schema order, as the Qwen XML grammar has them; typed values as there;
+    text values, CDATA included, free up to </param>), then </function>. So the end token is refused before
+    the call opens, and inside it wherever no closing text (`Dialect.closing_texts`) completes it."""
+    if dialect.name != "minicpm_xml":
+        raise ValueError(f"the {dialect.name} dialect has a full call grammar (tool_call_grammar)")
+    if think not in THINK:
+        raise ValueError(f"think must be one of {THINK}, not {think!r}")
+    offered = [t for t in tools if function is None or t.name == function]
+    if not offered:
+        raise invalid_request("tool_choice 'required' needs at least one tool" if function is None else
+                              f"tool_choice names function {function!r}, which is not in 'tools'")
+    close_param, close_call = _lit("</param>"), _lit("</function>")
+    rules = [f"start: {_PRELUDE[think]} WS? call", "call: " + " | ".join(f"f_{i}" for i in range(len(offered))),
+             r"param_text[lazy]: /(?s:.*)<\/param>/"]
+    for i, tool in enumerate(offered):
+        params = tool.parameters
+        props = params.get("properties") if isinstance(params.get("properties"), dict) else {}
+        required = params.get("required") if isinstance(params.get("required"), list) else []
+        required = [k for k in props if k in required] + [k for k in required if isinstance(k, str) and k not in props]
+        parts = [_lit(f'<function name="{tool.name}">')]
+        for j, key in enumerate(required + [k for k in props if k not in required]):
+            schema = props.get(key) if isinstance(props.get(key), dict) else {}
+            value = _xml_value(schema, f"v_{i}_{j}", rules)
+            opener = _lit(f'<param name="{key}">')
+            rules.append(f"p_{i}_{j}: WS? {opener} " + ("param_text" if value is None else f"{value} {close_param}"))
+            parts.append(f"p_{i}_{j}" + ("" if key in required else "?"))
+        rules.append(f"f_{i}: " + " ".join(parts) + f" WS? {close_call}")
+    return "\n".join(rules) + "\n" + _COMMON
+
+
 def json_object_grammar(schema: dict | None, *, think: str = "none") -> str:
     """A Lark grammar for one JSON object (valid for `schema` when given), after an optional think block."""
     if think not in THINK:

@@ -3,7 +3,8 @@
     <function name="NAME"><param name="KEY">VALUE</param>...</function>
 
 A value is raw text, or <![CDATA[...]]> when it spans lines or holds markup (consecutive CDATA sections
-join, which is how a value containing "]]>" is written). No grammar models this dialect.
+join, which is how a value containing "]]>" is written). No grammar models this dialect's free text (its
+"auto" turns are never constrained); a turn that must call is (`grammar.minicpm_call_grammar`).
 """
 
 from __future__ import annotations
