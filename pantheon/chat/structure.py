@@ -17,8 +17,8 @@ import jsonschema
 import llguidance
 
 from pantheon.chat.request import ChatRequest
-from pantheon.chat.tools import (Dialect, ToolSpec, dialect_for, json_object_grammar, minicpm_call_grammar, parse_tools,
-                                 tool_call_grammar)
+from pantheon.chat.tools import (Dialect, ToolSpec, dialect_for, json_object_grammar, minicpm_call_grammar,
+                                 parse_tools, tool_call_grammar)
 from pantheon.config import EnvKnobs
 from pantheon.engine.constraints import GrammarController
 from pantheon.engine.loader import LoadedModel
@@ -85,8 +85,8 @@ def _tool_grammar(dialect: Dialect, tools: list[ToolSpec], request: ChatRequest,
     if not tools or env.tool_grammar is False:
         return None, False
     if not dialect.grammar_capable:
-        # No grammar models this dialect's arguments; a turn that must call still gets the call's frame, so
-        # that it cannot end before the call (spec: "every dialect").
+        # No grammar models this dialect's free text ("auto"); a turn that must call still gets one for its
+        # call, so that it cannot end before the call (spec: "every dialect").
         if request.tool_choice == "required" or named is not None:
             return minicpm_call_grammar(dialect, tools, function=named, think=think_mode), True
         return None, False

@@ -7,6 +7,7 @@ required key (required keys first, then the optional ones, each in schema order)
 for the closing tag, integers, numbers and booleans by regex, objects, arrays and non-text enums through
 llguidance's `%json`. In the JSON dialect's "auto" grammar only a ```json fence opens a constrained call: a
 bare object cannot be told from text at its first byte, so it stays free text (the parser still reads it).
+`minicpm_call_grammar` writes the "required" grammar of MiniCPM's attribute XML, which has no "auto" one.
 
 The reasoning block, when the decode has one, comes first and is unconstrained: `think="open"` when the
 prompt already opened it (the output starts inside it, up to "</think>"), `think="optional"` when the output
@@ -72,7 +73,7 @@ def tool_call_grammar(dialect: Dialect, tools: list[ToolSpec], *, mode: str, fun
 
 
 def minicpm_call_grammar(dialect: Dialect, tools: list[ToolSpec], *, function: str | None = None,
-                       think: str = "none") -> str:
+                         think: str = "none") -> str:
     """A Lark grammar for a turn that must call (tool_choice "required", or a named function) in MiniCPM's
     attribute XML, the dialect with no "auto" grammar (its free text cannot be told from a call's opening
     before the tag is written out). After the optional reasoning the output is one call to an offered
@@ -92,17 +93,12 @@ def minicpm_call_grammar(dialect: Dialect, tools: list[ToolSpec], *, function: s
     rules = [f"start: {_PRELUDE[think]} WS? call", "call: " + " | ".join(f"f_{i}" for i in range(len(offered))),
              r"param_text[lazy]: /(?s:.*)<\/param>/"]
     for i, tool in enumerate(offered):
-        params = tool.parameters
-        props = params.get("properties") if isinstance(params.get("properties"), dict) else {}
-        required = params.get("required") if isinstance(params.get("required"), list) else []
-        required = [k for k in props if k in required] + [k for k in required if isinstance(k, str) and k not in props]
         parts = [_lit(f'<function name="{tool.name}">')]
-        for j, key in enumerate(required + [k for k in props if k not in required]):
-            schema = props.get(key) if isinstance(props.get(key), dict) else {}
+        for j, (key, schema, required) in enumerate(_arguments_in_order(tool)):
             value = _xml_value(schema, f"v_{i}_{j}", rules)
             opener = _lit(f'<param name="{key}">')
             rules.append(f"p_{i}_{j}: WS? {opener} " + ("param_text" if value is None else f"{value} {close_param}"))
-            parts.append(f"p_{i}_{j}" + ("" if key in required else "?"))
+            parts.append(f"p_{i}_{j}" + ("" if required else "?"))
         rules.append(f"f_{i}: " + " ".join(parts) + f" WS? {close_call}")
     return "\n".join(rules) + "\n" + _COMMON
 
@@ -145,22 +141,29 @@ def _qwen_xml(tools: list[ToolSpec], mode: str, prelude: str) -> str:
 
 def _qwen_function(i: int, tool: ToolSpec, rules: list[str]) -> str:
     """Add the rules of one function's call body; return the rule's name."""
-    params = tool.parameters
-    props = params.get("properties") if isinstance(params.get("properties"), dict) else {}
-    required = params.get("required") if isinstance(params.get("required"), list) else []
-    required = [k for k in props if k in required] + [k for k in required if isinstance(k, str) and k not in props]
     parts = [_lit(f"{tool.name}>\n")]
-    for j, key in enumerate(required + [k for k in props if k not in required]):
-        schema = props.get(key) if isinstance(props.get(key), dict) else {}
+    for j, (key, schema, required) in enumerate(_arguments_in_order(tool)):
         value = _xml_value(schema, f"v_{i}_{j}", rules)
         opener = _lit(f"<parameter={key}>\n")
         if value is None:  # free text: the lazy value ends with the closing tag
             rules.append(f'p_{i}_{j}: {opener} text_value "\\n"')
         else:
             rules.append(f'p_{i}_{j}: {opener} {value} "\\n</parameter>\\n"')
-        parts.append(f"p_{i}_{j}" + ("" if key in required else "?"))
+        parts.append(f"p_{i}_{j}" + ("" if required else "?"))
     rules.append(f"fn_{i}: " + " ".join(parts))
     return f"fn_{i}"
+
+
+def _arguments_in_order(tool: ToolSpec) -> list[tuple[str, dict, bool]]:
+    """(name, schema, required) of a tool's arguments in the order its calls' grammars take them: the required
+    ones first (declared ones in schema order, then any the schema requires without declaring), then the
+    optional ones in schema order."""
+    params = tool.parameters
+    props = params.get("properties") if isinstance(params.get("properties"), dict) else {}
+    required = params.get("required") if isinstance(params.get("required"), list) else []
+    required = [k for k in props if k in required] + [k for k in required if isinstance(k, str) and k not in props]
+    return [(key, props[key] if isinstance(props.get(key), dict) else {}, key in required)
+            for key in required + [k for k in props if k not in required]]
 
 
 def _xml_value(schema: dict, name: str, rules: list[str]) -> str | None:
