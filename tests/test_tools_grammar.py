@@ -16,7 +16,7 @@ import llguidance.numpy as llnp
 import numpy as np
 import pytest
 
-from pantheon.chat.tools import DIALECTS, CallEnd, CallError, parse_tools
+from pantheon.chat.tools import DIALECTS, CallEnd, CallError, Dialect, parse_tools
 from pantheon.chat.tools.grammar import minicpm_call_grammar, json_object_grammar, tool_call_grammar
 from pantheon.config import read_env
 from pantheon.engine.constraints import grammar_tokenizer
@@ -86,6 +86,20 @@ class Vocab:
             return "reject"
         assert m.consume_tokens(ids)
         return "accept" if m.is_accepting() else "incomplete"
+
+    def closing_texts_after(self, grammar: str, text: str, dialect: Dialect) -> list[str]:
+        """The dialect's closing texts that take a matcher which has read `text` (and is not complete there) to
+        the grammar's end: what a serve may append when the model ends its turn at that point."""
+        m = self.matcher(grammar)
+        assert m.consume_tokens(self.tokenizer.encode(text, parse_special=False))
+        assert not m.is_accepting()
+        closed = []
+        for closing in dialect.closing_texts():
+            trial = m.deep_copy()
+            ids = self.tokenizer.encode(closing, parse_special=False)
+            if trial.validate_tokens(ids) == len(ids) and trial.consume_tokens(ids) and trial.is_accepting():
+                closed.append(closing)
+        return closed
 
     def eos_allowed(self, grammar: str, text: str) -> bool:
         m = self.matcher(grammar)
@@ -190,16 +204,7 @@ def test_closing_texts_complete_a_truncated_required_call(vocab: Vocab) -> None:
     cut_points = [READ.index("<parameter=offset>"), READ.index("10") + 2, READ.index("</function>"),
                   EDIT.index("x = 2") + 3]
     for text, cut in zip([READ, READ, READ, EDIT], cut_points):
-        m = vocab.matcher(grammar)
-        assert m.consume_tokens(vocab.tokenizer.encode(text[:cut], parse_special=False))
-        assert not m.is_accepting()
-        closed = []
-        for closing in QWEN.closing_texts():
-            trial = m.deep_copy()
-            ids = vocab.tokenizer.encode(closing, parse_special=False)
-            if trial.validate_tokens(ids) == len(ids) and trial.consume_tokens(ids) and trial.is_accepting():
-                closed.append(closing)
-        assert closed, text[:cut]
+        assert vocab.closing_texts_after(grammar, text[:cut], QWEN), text[:cut]
 
 
 # --- Qwen3-Coder XML, auto ---
@@ -305,14 +310,7 @@ def test_minicpm_required_ends_only_where_a_closing_text_completes_the_call(voca
     assert vocab.eos_allowed(grammar, MINICPM_READ)
     for cut in (MINICPM_READ.index("src/") + 3, MINICPM_READ.index('<param name="offset">'),
                 MINICPM_READ.index("</function>")):
-        m = vocab.matcher(grammar)
-        assert m.consume_tokens(vocab.tokenizer.encode(MINICPM_READ[:cut], parse_special=False))
-        closed = []
-        for closing in MINICPM.closing_texts():
-            trial = m.deep_copy()
-            ids = vocab.tokenizer.encode(closing, parse_special=False)
-            if trial.validate_tokens(ids) == len(ids) and trial.consume_tokens(ids) and trial.is_accepting():
-                closed.append(closing)
+        closed = vocab.closing_texts_after(grammar, MINICPM_READ[:cut], MINICPM)
         assert closed[:1] == (["</param></function>"] if cut < MINICPM_READ.index("</param>") else ["</function>"])
 
 
