@@ -9,7 +9,6 @@ Which requests are grammar-constrained (PANTHEON_TOOL_GRAMMAR):
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +23,6 @@ from pantheon.engine.constraints import GrammarController
 from pantheon.engine.loader import LoadedModel
 from pantheon.errors import ApiError, invalid_request
 
-log = logging.getLogger("pantheon.chat")
 
 # Ways to finish an open JSON value (string, array of strings, object ...) before a call's closing text.
 JSON_VALUE_CLOSERS = ('"', "]", '"]', "}", '"}', "]}", '"]}', "}]", '"}]', "\n]", "\n}")
@@ -38,6 +36,8 @@ class Structure:
     response_format_status: str | None = None
     json_constrained: bool = False  # a response_format JSON grammar is armed (for "not_enforced")
     call_forced: bool = False  # a tool-call grammar compels a call ("required" or a named function)
+    # `grammar` compiled once (None without a grammar or a grammar tokenizer); each choice decodes with a copy.
+    matcher: Any = None
 
 
 def model_dialect(served: LoadedModel) -> Dialect:
@@ -108,75 +108,78 @@ def _tool_grammar(dialect: Dialect, tools: list[ToolSpec], request: ChatRequest,
     return tool_call_grammar(dialect, tools, mode=mode, think=think_mode), mode == "required"
 
 
-def _response_format(request: ChatRequest, lltok: Any, think_mode: str) -> tuple[str | None, str | None]:
-    """(grammar, response_format_status) for response_format."""
+def _response_format(request: ChatRequest, lltok: Any, think_mode: str
+                     ) -> tuple[str | None, Any, str | None]:
+    """(grammar, its compiled matcher when this compiled it, response_format_status) for response_format."""
     rf = request.response_format
     if rf is None:
-        return None, None
+        return None, None, None
     kind = rf.get("type")
     if kind == "text":
-        return None, "applied"  # plain text: nothing to constrain
+        return None, None, "applied"  # plain text: nothing to constrain
     if kind == "json_object":
-        return json_object_grammar(None, think=think_mode), "applied"
+        return json_object_grammar(None, think=think_mode), None, "applied"
     if kind != "json_schema":
-        return None, "ignored_unknown_type"
+        return None, None, "ignored_unknown_type"
     # json_schema: the schema's shape is enforced where it can be; a schema that is missing, not a valid JSON
     # schema, or beyond the grammar engine is downgraded to the plain JSON constraint ("schema_downgraded").
     spec = rf.get("json_schema")
     schema = spec.get("schema") if isinstance(spec, dict) else None
     plain = json_object_grammar(None, think=think_mode)
     if not isinstance(schema, dict):
-        return plain, "schema_downgraded"
+        return plain, None, "schema_downgraded"
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError:
-        return plain, "schema_downgraded"
+        return plain, None, "schema_downgraded"
     grammar = json_object_grammar(schema, think=think_mode)
-    if lltok is not None and _compile_error(lltok, grammar):
-        return plain, "schema_downgraded"
-    return grammar, "applied"
+    if lltok is None:
+        return grammar, None, "applied"
+    matcher, error = _compile(lltok, grammar)
+    return (plain, None, "schema_downgraded") if error is not None else (grammar, matcher, "applied")
 
 
-def _compile_error(lltok: Any, grammar: str) -> str | None:
+def _compile(lltok: Any, grammar: str) -> tuple[Any, str | None]:
+    """(the grammar's matcher, None), or (None, why it does not compile)."""
     try:
         matcher = llguidance.LLMatcher(lltok, llguidance.LLMatcher.grammar_from_lark(grammar), log_level=0)
     except Exception as exc:  # noqa: BLE001 - the engine reports unsupported features as plain errors
-        return str(exc)
-    return matcher.get_error() if matcher.is_error() else None
+        return None, str(exc)
+    return (None, matcher.get_error()) if matcher.is_error() else (matcher, None)
 
 
 def plan(served: LoadedModel, request: ChatRequest, env: EnvKnobs, dialect: Dialect, tools: list[ToolSpec],
          think_mode: str) -> Structure:
     structure = Structure(dialect=dialect, tools=tools)
+    lltok = served.lltokenizer
     structure.grammar, structure.call_forced = _tool_grammar(dialect, tools, request, env, think_mode)
-    if structure.grammar is not None and served.lltokenizer is not None:
+    if structure.grammar is not None and lltok is not None:
         # A schema that passes the metaschema but cannot be enforced (unsatisfiable bounds, a construct the
         # grammar engine lacks): refused, as an invalid one is, rather than decoded unconstrained.
-        error = _compile_error(served.lltokenizer, structure.grammar)
+        structure.matcher, error = _compile(lltok, structure.grammar)
         if error is not None:
             raise invalid_request(f"the tools' parameter schemas cannot be enforced by the grammar: {error}")
     if request.response_format is not None:
         if tools:  # tools offered (not turned off by tool_choice "none") win
             structure.response_format_status = "ignored_tools_present"
         else:
-            grammar, structure.response_format_status = _response_format(request, served.lltokenizer, think_mode)
+            grammar, matcher, structure.response_format_status = _response_format(request, lltok, think_mode)
             if grammar is not None:
                 structure.grammar = grammar
                 structure.json_constrained = True
+                if matcher is None and lltok is not None:
+                    matcher, error = _compile(lltok, grammar)
+                    if error is not None:
+                        raise ApiError(500, "server_error", f"response_format grammar failed: {error}")
+                structure.matcher = matcher
     return structure
 
 
 def grammar_controller(served: LoadedModel, structure: Structure) -> GrammarController | None:
     """A fresh controller for one choice (matchers are stateful)."""
-    if structure.grammar is None or served.lltokenizer is None:
+    if structure.matcher is None:
         return None
-    matcher = llguidance.LLMatcher(served.lltokenizer, llguidance.LLMatcher.grammar_from_lark(structure.grammar),
-                                   log_level=0)
-    if matcher.is_error():
-        log.error("grammar does not compile (%s); decoding unconstrained", matcher.get_error())
-        if structure.json_constrained:
-            raise ApiError(500, "server_error", f"response_format grammar failed: {matcher.get_error()}")
-        return None
+    matcher = structure.matcher.deep_copy()
     tokenizer = served.tokenizer
     if structure.json_constrained:
         return GrammarController(matcher, vocab_size=served.model.vocab_size, eos_id=tokenizer.eos_id)

@@ -23,6 +23,7 @@ a special token that text in a grammar can never match.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 import copy
 import json
 from typing import Any
@@ -55,21 +56,9 @@ def tool_call_grammar(dialect: Dialect, tools: list[ToolSpec], *, mode: str, fun
     Raises ValueError for a dialect without grammars or an unknown mode/think value, and a 400 ApiError
     when `function` is not among `tools` or "required" has no tool to call.
     """
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
-    if think not in THINK:
-        raise ValueError(f"think must be one of {THINK}, not {think!r}")
     if not dialect.grammar_capable:
         raise ValueError(f"the {dialect.name} dialect has no grammar")
-    offered = tools
-    if function is not None:
-        offered = [t for t in tools if t.name == function]
-        if not offered:
-            raise invalid_request(f"tool_choice names function {function!r}, which is not in 'tools'")
-    if mode == "required" and not offered:
-        raise invalid_request("tool_choice 'required' needs at least one tool")
-    build = _qwen_xml if dialect.name == "qwen_xml" else _json_calls
-    return build(offered, mode, _PRELUDE[think]) + _COMMON
+    return _call_grammar(_qwen_xml if dialect.name == "qwen_xml" else _json_calls, tools, mode, function, think)
 
 
 def minicpm_call_grammar(dialect: Dialect, tools: list[ToolSpec], *, function: str | None = None,
@@ -83,24 +72,23 @@ def minicpm_call_grammar(dialect: Dialect, tools: list[ToolSpec], *, function: s
     the call opens, and inside it wherever no closing text (`Dialect.closing_texts`) completes it."""
     if dialect.name != "minicpm_xml":
         raise ValueError(f"the {dialect.name} dialect has a full call grammar (tool_call_grammar)")
+    return _call_grammar(_minicpm_required, tools, "required", function, think)
+
+
+def _call_grammar(build: Callable[[list[ToolSpec], str, str], str], tools: list[ToolSpec], mode: str, function: str | None, think: str) -> str:
+    """The checks both call grammars make, then `build(offered tools, mode, prelude)` and the common rules."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
     if think not in THINK:
         raise ValueError(f"think must be one of {THINK}, not {think!r}")
-    offered = [t for t in tools if function is None or t.name == function]
-    if not offered:
-        raise invalid_request("tool_choice 'required' needs at least one tool" if function is None else
-                              f"tool_choice names function {function!r}, which is not in 'tools'")
-    close_param, close_call = _lit("</param>"), _lit("</function>")
-    rules = [f"start: {_PRELUDE[think]} WS? call", "call: " + " | ".join(f"f_{i}" for i in range(len(offered))),
-             r"param_text[lazy]: /(?s:.*)<\/param>/"]
-    for i, tool in enumerate(offered):
-        parts = [_lit(f'<function name="{tool.name}">')]
-        for j, (key, schema, required) in enumerate(_arguments_in_order(tool)):
-            value = _xml_value(schema, f"v_{i}_{j}", rules)
-            opener = _lit(f'<param name="{key}">')
-            rules.append(f"p_{i}_{j}: WS? {opener} " + ("param_text" if value is None else f"{value} {close_param}"))
-            parts.append(f"p_{i}_{j}" + ("" if required else "?"))
-        rules.append(f"f_{i}: " + " ".join(parts) + f" WS? {close_call}")
-    return "\n".join(rules) + "\n" + _COMMON
+    offered = tools
+    if function is not None:
+        offered = [t for t in tools if t.name == function]
+        if not offered:
+            raise invalid_request(f"tool_choice names function {function!r}, which is not in 'tools'")
+    if mode == "required" and not offered:
+        raise invalid_request("tool_choice 'required' needs at least one tool")
+    return build(offered, mode, _PRELUDE[think]) + _COMMON
 
 
 def json_object_grammar(schema: dict | None, *, think: str = "none") -> str:
@@ -109,6 +97,24 @@ def json_object_grammar(schema: dict | None, *, think: str = "none") -> str:
         raise ValueError(f"think must be one of {THINK}, not {think!r}")
     target = _json_schema(schema) if schema else {"type": "object", "x-guidance": dict(_JSON_OPTIONS)}
     return f"start: {_PRELUDE[think]} WS? answer\nanswer: %json {_dump(target)}\n" + _COMMON
+
+
+# --- MiniCPM attribute XML ("required" only) ---
+
+
+def _minicpm_required(tools: list[ToolSpec], mode: str, prelude: str) -> str:
+    close_param, close_call = _lit("</param>"), _lit("</function>")
+    rules = [f"start: {prelude} WS? call", "call: " + " | ".join(f"f_{i}" for i in range(len(tools))),
+             r"param_text[lazy]: /(?s:.*)<\/param>/"]
+    for i, tool in enumerate(tools):
+        parts = [_lit(f'<function name="{tool.name}">')]
+        for j, (key, schema, required) in enumerate(_arguments_in_order(tool)):
+            value = _xml_value(schema, f"v_{i}_{j}", rules)
+            opener = _lit(f'<param name="{key}">')
+            rules.append(f"p_{i}_{j}: WS? {opener} " + ("param_text" if value is None else f"{value} {close_param}"))
+            parts.append(f"p_{i}_{j}" + ("" if required else "?"))
+        rules.append(f"f_{i}: " + " ".join(parts) + f" WS? {close_call}")
+    return "\n".join(rules) + "\n"
 
 
 # --- Qwen3-Coder XML ---

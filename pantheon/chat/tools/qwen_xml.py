@@ -49,6 +49,9 @@ class QwenXmlParser(XmlCallParser):
     def __init__(self, tools: list[ToolSpec]) -> None:
         super().__init__(tools)
         self._json: JsonValueScanner | None = None  # a JSON body inside <tool_call>
+        # Per tool, its declared argument names that contain '>' (`_declared_key_with_bracket`).
+        self._bracket_keys = {t.name: [k for k in t.parameters.get("properties", {}) if ">" in k]
+                              if isinstance(t.parameters.get("properties"), dict) else [] for t in tools}
 
     def _in_head(self, final: bool) -> bool:
         """After <tool_call>: <function=NAME> (or a JSON object) follows."""
@@ -95,8 +98,7 @@ class QwenXmlParser(XmlCallParser):
         with its closing '>': the tag's first '>' would cut it short. The longest such name the text starts
         with; None when none does; False while the text so far could still become one."""
         assert self._name is not None
-        properties = self._tools[self._name].parameters.get("properties")
-        names = [k for k in properties if ">" in k] if isinstance(properties, dict) else []
+        names = self._bracket_keys[self._name]
         matched = max((k for k in names if self._buf.startswith(k + ">")), key=len, default=None)
         if not final and any(len(k) > len(matched or "") and (k + ">").startswith(self._buf) for k in names):
             return False
