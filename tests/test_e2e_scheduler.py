@@ -244,9 +244,19 @@ def test_legacy_path_serves_one_at_a_time(default_model_path: Path, tmp_path: Pa
                 and time.monotonic() < deadline:
             time.sleep(0.2)
         assert r.status_code == 200, r.text
-        # n above the cap where one slot serves: one choice, and the status says the slots were why.
+        # n > 1 on one generation at a time: the request's choices decode one after another (spec: each a full
+        # separate decode), greedy ones alike; above the cap, 8 of them.
+        body = post(server, {**greedy(PROMPTS[0], 3), "n": 3}, timeout=60).json()
+        assert [c["index"] for c in body["choices"]] == [0, 1, 2] and "n_status" not in body, body
+        assert len({c["message"]["content"] for c in body["choices"]}) == 1, body
+        assert body["usage"]["completion_tokens"] == 9, body
         body = post(server, {**greedy(PROMPTS[0], 2), "n": 12}, timeout=60).json()
-        assert len(body["choices"]) == 1 and body["n_status"] == "partial_slot_unavailable", body
+        assert len(body["choices"]) == 8 and body["n_status"] == "capped_to_8", body
+        # Another client is still refused while a request's later choices wait for its earlier ones.
+        many = Streamer(server, {**endless(end_ids, 400), "n": 2}).start()
+        with streams(many):
+            many.wait_token()
+            assert_error(post(server, greedy(PROMPTS[0], 4), timeout=30), 429, "server_busy")
     finally:
         server.stop()
 

@@ -266,6 +266,29 @@ def test_json_object_and_statuses(smollm_server: ServerProcess) -> None:
     assert tools["response_format_status"] == "ignored_tools_present"
 
 
+def test_a_stop_string_that_cuts_the_json_short_is_not_enforced(smollm_server: ServerProcess) -> None:
+    """spec: "not_enforced" when the output did not close a complete JSON object. The grammar sees the closing
+    brace and completes, but the stop string "}" takes it out of the content: the answer is not JSON."""
+    body = {"messages": [{"role": "user", "content": 'Output exactly this JSON and nothing else: {"ok": true}'}],
+            "response_format": {"type": "json_object"}, "temperature": 0, "max_tokens": 40}
+    whole = chat(smollm_server, **body)
+    assert whole["response_format_status"] == "applied"
+    assert whole["choices"][0]["message"]["content"].rstrip().endswith("}")
+    cut = chat(smollm_server, **body, stop=["}"])
+    assert cut["choices"][0]["finish_reason"] == "stop"
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(cut["choices"][0]["message"]["content"])
+    assert cut["response_format_status"] == "not_enforced"
+    # A stop string past the closed object leaves it whole.
+    after = chat(smollm_server, **body, stop=["}\n", "}}"])
+    assert isinstance(json.loads(after["choices"][0]["message"]["content"]), dict)
+    assert after["response_format_status"] == "applied"
+    with httpx.stream("POST", smollm_server.base_url + "/v1/chat/completions",
+                      json={**body, "stop": ["}"], "stream": True}, timeout=300) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert [c["response_format_status"] for c in chunks if "response_format_status" in c] == ["not_enforced"]
+
+
 @pytest.mark.parametrize("json_schema", [None, {"name": "x"}, {"name": "x", "schema": 5},
                                          {"name": "x", "schema": {"type": "nonsense"}}])
 def test_a_schema_that_cannot_be_used_is_downgraded_to_json(smollm_server: ServerProcess,

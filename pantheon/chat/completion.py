@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
 import trio
 
 from pantheon.chat.output import ChoiceOutput, Delta
@@ -117,7 +118,7 @@ async def start_completion(instance: ModelInstance, request: ChatRequest, env: E
         job = GenerationJob(prompt=prompt.tokens, sampling=_sampling(request, i), max_tokens=request.max_tokens,
                             stop_ids=stop_ids, session_key=request.session_id if i == 0 else None,
                             constraint=_controller(served, request, prompt, grammar),
-                            history_end=prompt.history_end)
+                            history_end=prompt.history_end, request=completion)
         try:
             channel = instance.scheduler.submit(job)
         except ApiError as exc:
@@ -164,9 +165,23 @@ def _response_format_status(completion: Completion, results: list[ChoiceResult])
     plan = completion.structure
     if plan is None or plan.response_format_status is None:
         return None
-    if plan.json_constrained and any(r.controller is None or not r.controller.completed for r in results):
+    if plan.json_constrained and any(not _closed_json(r) for r in results):
         return "not_enforced"
     return plan.response_format_status
+
+
+def _closed_json(result: ChoiceResult) -> bool:
+    """The choice's answer closed a complete JSON value: its grammar completed, and no stop string cut the
+    text afterwards (the grammar sees the tokens of a stop string, which the content then drops)."""
+    if result.controller is None or not result.controller.completed:
+        return False
+    if not result.output.stopped:
+        return True
+    try:
+        orjson.loads(result.output.content)
+    except orjson.JSONDecodeError:
+        return False
+    return True
 
 
 def _choice_extras(result: ChoiceResult) -> dict[str, Any]:

@@ -28,6 +28,9 @@ class GenerationJob:
     # it, and where a recurrent model keeps a state checkpoint.
     history_end: int | None = None
     job_id: int = field(default_factory=lambda: next(_job_ids))
+    # The request this job is a choice of (n > 1 share one): on the legacy path, which runs one generation at
+    # a time, a request's later choices wait for its earlier ones instead of being refused as busy.
+    request: object = None
     # Set by the consumer (stop string seen, client gone); the scheduler drops the job at its next step.
     cancelled: bool = False
     # The scheduler's wake-up hook, so a cancelled job leaves the queue at once.

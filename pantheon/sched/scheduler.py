@@ -218,9 +218,10 @@ class Scheduler:
         busy = len(self._active) + len(self._waiting)
         if busy >= self.max_concurrent:
             if not self.batched:
-                raise ApiError(429, "server_busy", "a generation is already running on this model",
-                               headers={"Retry-After": str(self.retry_after_s())})
-            if len(self._waiting) >= self.queue_depth:
+                if not self._only_own_request(job):
+                    raise ApiError(429, "server_busy", "a generation is already running on this model",
+                                   headers={"Retry-After": str(self.retry_after_s())})
+            elif len(self._waiting) >= self.queue_depth:
                 if self.memory_critical:
                     raise ApiError(503, "server_memory_constrained",
                                    "host memory is critically low and the queue is full",
@@ -235,6 +236,13 @@ class Scheduler:
         self._waiting.append(Waiting(job, send, time.monotonic()))
         self.poke()
         return receive
+
+    def _only_own_request(self, job: GenerationJob) -> bool:
+        """Legacy path: everything running or queued is a choice of job's own request (n > 1), which it
+        waits behind; another user's generation makes it busy."""
+        if job.request is None:
+            return False
+        return all(other.job.request is job.request for other in (*self._active, *self._waiting))
 
     def end_turns_now(self) -> None:
         """The shutdown drain's deadline: each running turn ends at its next step as a stop string would end
@@ -417,7 +425,8 @@ class Scheduler:
         for waiting in self._waiting:
             if waiting.job.cancelled:
                 waiting.events.close()
-            elif now - waiting.enqueued_at > QUEUE_TIMEOUT_S:
+            # The legacy path queues only a request's later choices, behind its own earlier ones: no timeout.
+            elif now - waiting.enqueued_at > QUEUE_TIMEOUT_S and self.batched:
                 self._refuse(waiting, ApiError(
                     429, "server_busy", f"waited {QUEUE_TIMEOUT_S:.0f} s in the queue without a free slot",
                     headers={"Retry-After": str(self.retry_after_s())}))
