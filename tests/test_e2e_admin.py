@@ -308,13 +308,16 @@ def test_load_chat_unload_cycle(tmp_path: Path, tiny1: Path, tiny2: Path) -> Non
 
         # Defaults: ctx = min(engine default, the model's 1024); max_concurrent = the resolved max_sessions.
         load_ok(server, {"path": str(tiny2), "name": "t2"})
-        load_ok(server, {"path": str(tiny2), "name": "t3", "ctx_cap": 200})  # same file, another name
+        # Above the batched path's 8 concurrent users: configured as asked, served as 8 (spec).
+        load_ok(server, {"path": str(tiny2), "name": "t3", "ctx_cap": 200, "max_concurrent": 9})
         rows = admin_rows(server)
         assert set(rows) == {"t1", "t2", "t3"}
         assert_row_shape(rows["t2"], tiny2)
         assert rows["t2"]["context_window_configured"] == 1024
         assert rows["t2"]["max_concurrent_configured"] == rows["t2"]["max_sessions"]
         assert rows["t3"]["context_window_configured"] == 200
+        assert (rows["t3"]["max_concurrent_configured"], rows["t3"]["max_concurrent"]) == (9, 8)
+        assert v1_models(server)["t3"]["max_concurrent"] == 8
         assert set(v1_models(server)) == {"t1", "t2", "t3"}
         for name, cap in (("t1", 300), ("t2", 1024), ("t3", 200), ("t1", 300)):
             reply = chat_ok(server, {**HELLO, "model": name})

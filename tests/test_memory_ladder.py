@@ -42,7 +42,7 @@ def test_read_meminfo(tmp_path: Path) -> None:
 
 
 class _Scheduler:
-    max_concurrent_configured = 8
+    concurrency_cap = 8
     ctx_window_configured = 4096
 
     def apply_limits(self, concurrency: int, window: int, critical: bool) -> None:

@@ -68,7 +68,7 @@ def apply_memory_limits(instances: list[Any], watch: MemoryWatch) -> None:
     for instance in instances:
         ladder = watch.ladder_for(instance.dies, instance.on_accelerator)
         s = instance.scheduler
-        s.apply_limits(ladder.concurrency(s.max_concurrent_configured), ladder.window(s.ctx_window_configured),
+        s.apply_limits(ladder.concurrency(s.concurrency_cap), ladder.window(s.ctx_window_configured),
                        ladder.critical)
 
 

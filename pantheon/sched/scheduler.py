@@ -46,6 +46,9 @@ from pantheon.sched.jobs import ErrorEvent, Event, FinishEvent, GenerationJob, T
 log = logging.getLogger("pantheon.sched")
 
 QUEUE_TIMEOUT_S = 30.0
+# Sequences one step decodes at most (spec: the batched path serves up to 8 concurrent users); a larger
+# --max-concurrent is reported as configured and served as 8.
+MAX_BATCH = 8
 # Recurrent models: snapshots kept per slot (the end of the history and of the prompt, for the last turns).
 MAX_CHECKPOINTS = 4
 PREFILL_CHUNK = 256
@@ -121,7 +124,7 @@ class Scheduler:
         self.batched = batched
         # Legacy path (no batch scheduler): one generation at a time, nothing queues.
         self.max_concurrent_configured = max(1, max_concurrent)
-        self.max_concurrent = self.max_concurrent_configured if batched else 1
+        self.max_concurrent = self.concurrency_cap
         self.queue_depth = queue_depth if batched else 0
         self.prefill_chunk = prefill_chunk
         self.ctx_window_configured = served.ctx_cap
@@ -149,6 +152,12 @@ class Scheduler:
 
     # -- capacity ------------------------------------------------------------------------------------------
     @property
+    def concurrency_cap(self) -> int:
+        """What this scheduler serves with no memory pressure: the configured count, at most MAX_BATCH, or 1 on
+        the legacy path."""
+        return min(self.max_concurrent_configured, MAX_BATCH) if self.batched else 1
+
+    @property
     def kv_cap(self) -> int:
         return self.ctx_window
 
@@ -173,7 +182,7 @@ class Scheduler:
 
     def apply_limits(self, concurrency: int, window: int, critical: bool) -> None:
         """Called by the memory monitor; takes effect at once for admission and advertised numbers."""
-        self.max_concurrent = max(1, min(concurrency, self.max_concurrent_configured)) if self.batched else 1
+        self.max_concurrent = max(1, min(concurrency, self.concurrency_cap))
         self.ctx_window = max(1, min(window, self.ctx_window_configured))
         self.memory_critical = critical
         self.poke()

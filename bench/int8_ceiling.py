@@ -1,0 +1,203 @@
+"""How far batched decode can go on this CPU: the int8 multiply ceiling against the measured decode steps.
+
+At batch 8 a decode step of the default model is compute-bound on a 2-core AVX2 machine: every token needs
+its ~135 M multiply-adds, and the int8 kernels (kernels/cpu/int8dot.py) spend one `vpmaddubsw` (AVX2, 32
+products) or `vpdpbusd` (VNNI) per 32 of them, plus the adds that widen and sum the products. This bench
+measures, on this machine and in one run:
+
+1. the ceiling: independent chains of the dot instruction and the add that accumulates its result (AVX2:
+   `vpmaddubsw` + `vpaddw`, the pair the Q4_1 kernel issues per 32 products; VNNI: `vpdpbusd`), one thread
+   per core, nothing else in the loop: GMAC/s per thread and for all threads together;
+2. the int8 matmul kernel at batch 8 on a matrix that stays in the caches (576 x 1536, Q4_1): what the
+   kernel's other instructions (activation broadcasts, scaling, the m terms) leave of the ceiling;
+3. decode steps of the default model at batch 1 and 8 (2 threads by default, ~100 tokens of context), and
+   the 8-stream / 1-stream ratio the ceiling allows: 8 x step(1) / (8 tokens' multiply-adds at the
+   ceiling), an upper bound that counts no attention, no norms, no memory traffic.
+
+    .venv/bin/python bench/int8_ceiling.py [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.common import default_model, write_result  # noqa: E402
+from pantheon.kernels.cpu import int8dot  # noqa: E402
+from pantheon.kernels.cpu.llvm_ir import call  # noqa: E402
+
+CHAINS = 8  # independent accumulators: enough to cover the instruction's latency
+_i8, _i16, _i32, _i64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+_v32i8, _v16i16, _v8i32 = ir.VectorType(_i8, 32), ir.VectorType(_i16, 16), ir.VectorType(_i32, 8)
+
+
+def _dot_loop(isa: str):  # type: ignore[no-untyped-def]
+    """An intrinsic (iterations) -> int64: CHAINS dot instructions an iteration into CHAINS accumulators. The
+    activation operand moves by one byte add an iteration so that LLVM cannot hoist the dots out of the loop."""
+
+    @intrinsic
+    def dot_loop(typingctx, iterations):  # type: ignore[no-untyped-def]
+        def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+            n = args[0]
+            weights = [ir.Constant(_v32i8, [(3 * k + j) % 15 + 1 for j in range(32)]) for k in range(CHAINS)]
+            acc_type = _v8i32 if isa == "vnni" else _v16i16
+            entry = builder.basic_block
+            loop = builder.append_basic_block("loop")
+            done = builder.append_basic_block("done")
+            builder.branch(loop)
+            builder.position_at_end(loop)
+            i = builder.phi(_i64)
+            x = builder.phi(_v32i8)
+            accs = [builder.phi(acc_type) for _ in range(CHAINS)]
+            new = []
+            for w, acc in zip(weights, accs):
+                if isa == "vnni":
+                    new.append(call(builder, "llvm.x86.avx512.vpdpbusd.256", _v8i32,
+                                    [acc, builder.bitcast(w, _v8i32), builder.bitcast(x, _v8i32)]))
+                else:
+                    new.append(builder.add(acc, call(builder, "llvm.x86.avx2.pmadd.ub.sw", _v16i16, [w, x])))
+            x_next = builder.add(x, ir.Constant(_v32i8, [1] * 32))
+            i_next = builder.add(i, ir.Constant(_i64, 1))
+            builder.cbranch(builder.icmp_signed("<", i_next, n), loop, done)
+            i.add_incoming(ir.Constant(_i64, 0), entry)
+            i.add_incoming(i_next, loop)
+            x.add_incoming(ir.Constant(_v32i8, [1] * 32), entry)
+            x.add_incoming(x_next, loop)
+            for phi, value in zip(accs, new):
+                phi.add_incoming(ir.Constant(acc_type, None), entry)
+                phi.add_incoming(value, loop)
+            builder.position_at_end(done)
+            total = new[0]
+            for value in new[1:]:
+                total = builder.add(total, value)
+            return builder.sext(builder.extract_element(total, ir.Constant(_i32, 0)), _i64)
+
+        return types.int64(iterations), codegen
+
+    return dot_loop
+
+
+def ceiling(threads: int, iterations: int = 20_000_000) -> tuple[float, float]:
+    """(GMAC/s of one thread alone, GMAC/s of `threads` threads at once) for the dot instruction + its add."""
+    dot_loop = _dot_loop(int8dot.INT8_ISA or "avx2")
+
+    @numba.njit(nogil=True)
+    def one(n):  # type: ignore[no-untyped-def]
+        return dot_loop(n)
+
+    @numba.njit(parallel=True, nogil=True)
+    def team(n, k):  # type: ignore[no-untyped-def]
+        out = np.zeros(k, np.int64)
+        for t in numba.prange(k):
+            out[t] = dot_loop(n)
+        return out
+
+    one(1000), team(1000, threads)
+    macs = iterations * CHAINS * 32.0
+    best_one = best_team = 0.0
+    for _ in range(3):
+        start = time.perf_counter()
+        one(iterations)
+        best_one = max(best_one, macs / (time.perf_counter() - start) / 1e9)
+        start = time.perf_counter()
+        team(iterations, threads)
+        best_team = max(best_team, threads * macs / (time.perf_counter() - start) / 1e9)
+    return best_one, best_team
+
+
+def kernel_rate(rows: int = 1536, cols: int = 576, batch: int = 8, seconds: float = 1.0) -> float:
+    """GMAC/s of the int8 matmul on one thread, a Q4_1 matrix that stays in the caches, `batch` rows."""
+    import gguf
+
+    rng = np.random.default_rng(0)
+    raw = gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), gguf.GGMLQuantizationType.Q4_1)
+    packed = int8dot.pack_weight(int8dot.Q4_1, raw.reshape(rows, -1))
+    x = rng.standard_normal((batch, cols)).astype(np.float32)
+    out = np.empty((batch, rows), np.float32)
+    previous = numba.get_num_threads()
+    numba.set_num_threads(1)
+    try:
+        int8dot.matmul(int8dot.Q4_1, packed, x, out, threads=1)
+        calls, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            int8dot.matmul(int8dot.Q4_1, packed, x, out, threads=1)
+            calls += 1
+        return calls * rows * cols * batch / (time.perf_counter() - start) / 1e9
+    finally:
+        numba.set_num_threads(previous)
+
+
+def decode_steps(threads: int, context: int = 100, steps: int = 100) -> tuple[float, float, float]:
+    """(median seconds of a decode step at batch 1, at batch 8, multiply-adds per token) on the default model."""
+    from pantheon.config import ModelOptions, read_env
+    from pantheon.engine.loader import load_served_model
+    from pantheon.kernels.cpu.backend import CpuBackend
+    from pantheon.models.base import BatchRow
+
+    served = load_served_model(ModelOptions(path=default_model(), name="b"), read_env(), CpuBackend(threads))
+    model = served.model
+    macs = _macs_per_token(model)
+    medians = []
+    for batch in (1, 8):
+        state = model.new_state(batch, context + steps + 8)
+        prompt = (np.arange(context, dtype=np.int32) * 7 + 100) % 40000
+        for s in range(batch):
+            model.forward(state, [BatchRow(s, prompt, 0)])
+        times = []
+        for step in range(steps):
+            start = time.perf_counter()
+            model.forward(state, [BatchRow(s, np.array([5 + s], np.int32), context + step) for s in range(batch)])
+            times.append(time.perf_counter() - start)
+        medians.append(float(np.median(times)))
+    return medians[0], medians[1], macs
+
+
+def _macs_per_token(model) -> float:  # type: ignore[no-untyped-def]
+    """Multiply-adds of one token through the weight matrices (the layers' and the output's)."""
+    total = 0
+    for blk in model.blocks:  # the separate matrices have the stacked ones' shapes
+        for w in (blk.wq, blk.wk, blk.wv, blk.wo, blk.w_gate, blk.w_up, blk.w_down):
+            total += w.rows * w.cols
+    total += model.output.rows * model.output.cols
+    return float(total)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    if int8dot.INT8_ISA is None:
+        sys.exit("this CPU has neither AVX2 nor VNNI: the int8 kernels do not run here")
+    one, team = ceiling(args.threads)
+    kernel = kernel_rate()
+    step1, step8, macs = decode_steps(args.threads)
+    floor8 = 8 * macs / (team * 1e9)
+    in_cache8 = 8 * macs / (kernel * args.threads * 1e9)
+    print(f"instruction set: {int8dot.INT8_ISA}; threads {args.threads}")
+    print(f"ceiling (dot + add chains): {one:.1f} GMAC/s one thread, {team:.1f} with {args.threads} at once")
+    print(f"int8 matmul kernel, Q4_1 1536 x 576, batch 8, in cache, one thread: {kernel:.1f} GMAC/s "
+          f"({kernel / one:.2f} of the ceiling)")
+    print(f"decode step: batch 1 {step1 * 1e3:.2f} ms, batch 8 {step8 * 1e3:.2f} ms -> 8 streams / 1 = "
+          f"{8 * step1 / step8:.2f}")
+    print(f"{macs / 1e6:.1f} M multiply-adds a token; 8 tokens at the ceiling: {floor8 * 1e3:.2f} ms -> at most "
+          f"{8 * step1 / floor8:.2f}x with everything else free; at the kernel's in-cache rate "
+          f"({kernel * args.threads:.0f} GMAC/s): {in_cache8 * 1e3:.2f} ms -> at most {8 * step1 / in_cache8:.2f}x")
+    path = write_result("int8-ceiling", {
+        "threads": args.threads, "ceiling_gmac_s_one_thread": one, "ceiling_gmac_s_all_threads": team,
+        "kernel_q4_1_batch8_in_cache_gmac_s": kernel, "step_batch1_ms": step1 * 1e3, "step_batch8_ms": step8 * 1e3,
+        "ratio_8_to_1": 8 * step1 / step8, "macs_per_token": macs, "bound_at_ceiling": 8 * step1 / floor8,
+        "bound_at_kernel_in_cache": 8 * step1 / in_cache8})
+    print(f"written to {path}")
+
+
+if __name__ == "__main__":
+    main()
