@@ -122,7 +122,8 @@ class Scheduler:
         self.forward_thread = forward_thread if forward_thread is not None else ForwardThread()
         self.metrics = metrics or Metrics()
         self.batched = batched
-        # Legacy path (no batch scheduler): one generation at a time, nothing queues.
+        # Legacy path (no batch scheduler): one generation at a time; only a request's later choices (n > 1)
+        # queue, behind its own earlier ones.
         self.max_concurrent_configured = max(1, max_concurrent)
         self.max_concurrent = self.concurrency_cap
         self.queue_depth = queue_depth if batched else 0
