@@ -31,7 +31,8 @@ from numba import types
 from numba.extending import intrinsic
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.common import default_model, write_result  # noqa: E402
+from bench.batched import PantheonBatched  # noqa: E402
+from bench.common import default_model, prompt_tokens, write_result  # noqa: E402
 from pantheon.kernels.cpu import int8dot  # noqa: E402
 from pantheon.kernels.cpu.llvm_ir import call  # noqa: E402
 
@@ -127,29 +128,12 @@ def kernel_rate(rows: int = 1536, cols: int = 576, batch: int = 8, seconds: floa
 
 
 def decode_steps(threads: int, context: int = 100, steps: int = 100) -> tuple[float, float, float]:
-    """(median seconds of a decode step at batch 1, at batch 8, multiply-adds per token) on the default model."""
-    from pantheon.config import ModelOptions, read_env
-    from pantheon.engine.loader import load_served_model
-    from pantheon.kernels.cpu.backend import CpuBackend
-    from pantheon.models.base import BatchRow
-
-    env = read_env()
-    served = load_served_model(ModelOptions(path=default_model(), name="b"), env, CpuBackend(threads, int8=env.cpu_int8))
-    model = served.model
-    macs = _macs_per_token(model)
-    medians = []
-    for batch in (1, 8):
-        state = model.new_state(batch, context + steps + 8)
-        prompt = (np.arange(context, dtype=np.int32) * 7 + 100) % 40000
-        for s in range(batch):
-            model.forward(state, [BatchRow(s, prompt, 0)])
-        times = []
-        for step in range(steps):
-            start = time.perf_counter()
-            model.forward(state, [BatchRow(s, np.array([5 + s], np.int32), context + step) for s in range(batch)])
-            times.append(time.perf_counter() - start)
-        medians.append(float(np.median(times)))
-    return medians[0], medians[1], macs
+    """(seconds of a decode step at batch 1, at batch 8, multiply-adds per token) on the default model, each
+    sequence after `context` prompt tokens (`bench/batched.py`'s decode)."""
+    decoder = PantheonBatched(default_model(), threads)
+    prompt = prompt_tokens(decoder.served.tokenizer, context)
+    step1, step8 = (n / decoder.run([prompt] * n, steps)["decode_tok_s"] for n in (1, 8))
+    return step1, step8, _macs_per_token(decoder.model)
 
 
 def _macs_per_token(model) -> float:  # type: ignore[no-untyped-def]

@@ -110,33 +110,43 @@ def _tool_grammar(dialect: Dialect, tools: list[ToolSpec], request: ChatRequest,
 
 def _response_format(request: ChatRequest, lltok: Any, think_mode: str
                      ) -> tuple[str | None, Any, str | None]:
-    """(grammar, its compiled matcher when this compiled it, response_format_status) for response_format."""
+    """(grammar, its compiled matcher (None without a grammar tokenizer), response_format_status) for
+    response_format."""
     rf = request.response_format
     if rf is None:
         return None, None, None
     kind = rf.get("type")
     if kind == "text":
         return None, None, "applied"  # plain text: nothing to constrain
-    if kind == "json_object":
-        return json_object_grammar(None, think=think_mode), None, "applied"
-    if kind != "json_schema":
+    if kind not in ("json_object", "json_schema"):
         return None, None, "ignored_unknown_type"
-    # json_schema: the schema's shape is enforced where it can be; a schema that is missing, not a valid JSON
-    # schema, or beyond the grammar engine is downgraded to the plain JSON constraint ("schema_downgraded").
-    spec = rf.get("json_schema")
-    schema = spec.get("schema") if isinstance(spec, dict) else None
+    status = "applied"
+    if kind == "json_schema":
+        # The schema's shape is enforced where it can be; a schema that is missing, not a valid JSON schema, or
+        # beyond the grammar engine is downgraded to the plain JSON constraint ("schema_downgraded").
+        spec = rf.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if isinstance(schema, dict) and _valid_schema(schema):
+            grammar = json_object_grammar(schema, think=think_mode)
+            matcher, error = _compile(lltok, grammar) if lltok is not None else (None, None)
+            if error is None:
+                return grammar, matcher, status
+        status = "schema_downgraded"
     plain = json_object_grammar(None, think=think_mode)
-    if not isinstance(schema, dict):
-        return plain, None, "schema_downgraded"
+    if lltok is None:
+        return plain, None, status
+    matcher, error = _compile(lltok, plain)
+    if error is not None:
+        raise ApiError(500, "server_error", f"response_format grammar failed: {error}")
+    return plain, matcher, status
+
+
+def _valid_schema(schema: dict) -> bool:
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError:
-        return plain, None, "schema_downgraded"
-    grammar = json_object_grammar(schema, think=think_mode)
-    if lltok is None:
-        return grammar, None, "applied"
-    matcher, error = _compile(lltok, grammar)
-    return (plain, None, "schema_downgraded") if error is not None else (grammar, matcher, "applied")
+        return False
+    return True
 
 
 def _compile(lltok: Any, grammar: str) -> tuple[Any, str | None]:
@@ -165,13 +175,7 @@ def plan(served: LoadedModel, request: ChatRequest, env: EnvKnobs, dialect: Dial
         else:
             grammar, matcher, structure.response_format_status = _response_format(request, lltok, think_mode)
             if grammar is not None:
-                structure.grammar = grammar
-                structure.json_constrained = True
-                if matcher is None and lltok is not None:
-                    matcher, error = _compile(lltok, grammar)
-                    if error is not None:
-                        raise ApiError(500, "server_error", f"response_format grammar failed: {error}")
-                structure.matcher = matcher
+                structure.grammar, structure.matcher, structure.json_constrained = grammar, matcher, True
     return structure
 
 

@@ -75,7 +75,8 @@ def minicpm_call_grammar(dialect: Dialect, tools: list[ToolSpec], *, function: s
     return _call_grammar(_minicpm_required, tools, "required", function, think)
 
 
-def _call_grammar(build: Callable[[list[ToolSpec], str, str], str], tools: list[ToolSpec], mode: str, function: str | None, think: str) -> str:
+def _call_grammar(build: Callable[[list[ToolSpec], str, str], str], tools: list[ToolSpec], mode: str,
+                  function: str | None, think: str) -> str:
     """The checks both call grammars make, then `build(offered tools, mode, prelude)` and the common rules."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
