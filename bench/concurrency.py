@@ -21,8 +21,9 @@ stream took ~420 us of CPU per token). Per level:
 Beside the HTTP levels, every round also decodes the same prompts in this process (the server idle
 meanwhile), at the same levels and thread count, with `bench/batched.py`: Pantheon's model with B sequences in
 one forward pass a step, and llama.cpp (llama-cpp-python's C API, where the `bench` extra is installed) with
-B sequence ids in one llama_decode a step. Those show what the batched step itself gains from 1 to 8 streams on
-each engine, free of the server. The HTTP / in-process ratio (1 stream) is the median of the per-round ratios.
+B sequence ids in one llama_decode a step, in a child process of its own (`LlamaCppProcess`: in this process
+its OpenMP use slowed Pantheon's batch-8 decode by ~20%). Those show what the batched step itself gains from 1
+to 8 streams on each engine, free of the server. The HTTP / in-process ratio (1 stream) is the median of the per-round ratios.
 Pantheon runs the int8-activation path by default (where the CPU has the instructions); PANTHEON_CPU_INT8=0
 measures the float32 path. Prints a table and writes bench/results/<date>-concurrency.json.
 """
@@ -40,7 +41,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.batched import LlamaCppBatched, PantheonBatched  # noqa: E402
+from bench.batched import LlamaCppProcess, PantheonBatched  # noqa: E402
 from bench.common import default_model, write_result  # noqa: E402
 from bench.sse_client import stream_chat_completions  # noqa: E402
 from tests.server_process import ServerProcess  # noqa: E402
@@ -127,7 +128,7 @@ def main() -> None:
     decoder = PantheonBatched(path, threads)
     prompts = [decoder.prompt_ids(PROMPTS[i % len(PROMPTS)]) for i in range(max(levels))]
     decoder.run(prompts[:1], 16)  # warm-up
-    reference = LlamaCppBatched.load(path, threads, max(levels), max(map(len, prompts)) + args.tokens + 8,
+    reference = LlamaCppProcess.load(path, threads, max(levels), max(map(len, prompts)) + args.tokens + 8,
                                      decoder.end_ids)
     inproc: dict[int, list[dict[str, float]]] = {n: [] for n in levels}
     llama: dict[int, list[dict[str, float]]] = {n: [] for n in levels}

@@ -84,11 +84,13 @@ def _gemm_claimed(qtype, packed, xq, xd, xs, out, claims, phase, n_threads):
     An output's bits do not depend on who computes it. The smallest chunk is about a microsecond of work."""
     n_groups = packed.shape[0]
     min_chunk = max(2, 16 // xq.shape[0])
+    # Claimed in pairs of groups: the wide kernels take two a call (int8dot.INT8_WIDE).
+    n_pairs = (n_groups + 1) // 2
     while True:
-        lo, hi = team.claim_chunk(claims, phase, n_groups, n_threads, min_chunk)
+        lo, hi = team.claim_chunk(claims, phase, n_pairs, n_threads, (min_chunk + 1) // 2)
         if lo >= hi:
             return
-        int8dot._gemm_groups(qtype, packed, xq, xd, xs, out, lo, hi)
+        int8dot._gemm_groups(qtype, packed, xq, xd, xs, out, 2 * lo, min(n_groups, 2 * hi))
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")

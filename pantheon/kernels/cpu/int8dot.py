@@ -21,8 +21,12 @@ The instruction set is fixed when this module is imported (`INT8_ISA`): VNNI whe
 (AVX512-VNNI with VL, the path tested here on Zen 4, or AVX-VNNI), else AVX2's `vpmaddubsw` + `vpmaddwd`
 (exact here: the unsigned operand is at most 128, so a pair of products is at most 2 * 128 * 127 < 32767;
 Q4_1's pairs are small enough that a block's eight add up in 16 bits before one `vpmaddwd` widens them),
-else None and the float path is used. The AVX2 kernels are also run on a VNNI machine by the tests
-(`matmul_with_isa`): the integer sums are exact on both, so the bits agree. Numba's on-disk cache is keyed by
+else None and the float path is used. With AVX-512 VNNI (and BW), `INT8_WIDE`: the kernels take two groups
+of 8 rows a call on 512-bit vectors, lanes 8..15 the second group's (`_make_rows_dot`'s 16 lanes; on the
+2-core Zen 5 VM a batch-8 Q4_1 1536 x 576 matmul in cache went from 179 to 307 GMAC/s a thread, and the
+in-process batch-8 decode from ~1150 to ~1400 tok/s before the prefetch below). A lane's arithmetic is the
+same on either width. The AVX2 kernels, and the 8-lane VNNI ones, are also run on a wide machine by the tests
+(`matmul_with_isa`): the integer sums are exact on all, so the bits agree. Numba's on-disk cache is keyed by
 CPU name and features, so a cached kernel never runs on a CPU that lacks its instructions.
 
 Per block (the m term of Q4_1 uses the activation block's sum, precomputed by `quantize_rows`):
@@ -68,6 +72,9 @@ def _detect_isa() -> str | None:
 
 
 INT8_ISA: str | None = _detect_isa()
+# VNNI on 512-bit vectors too (AVX-512 VNNI with BW for the byte operations): the kernels then take two groups
+# of 8 weight rows a call (`_make_rows_dot`'s 16 lanes), half the instructions for the same products.
+INT8_WIDE: bool = INT8_ISA == "vnni" and {"+avx512vnni", "+avx512bw", "+avx512f"} <= HOST_CPU_FEATURES
 
 
 def _offset_q8_0(isa: str | None) -> bool:
@@ -85,11 +92,14 @@ _v8i32, _v8f16, _v8f32 = ir.VectorType(_i32, 8), ir.VectorType(_f16, 8), ir.Vect
 
 def _unsigned_signed_dot(builder: ir.IRBuilder, isa: str, u: ir.Value, s: ir.Value, acc: ir.Value | None
                          ) -> ir.Value:
-    """<8 x i32>: lane i = acc[i] + sum of u[4i+j] * s[4i+j], j < 4 (u as uint8, s as int8, both <32 x i8>)."""
+    """<n x i32>: lane i = acc[i] + sum of u[4i+j] * s[4i+j], j < 4 (u as uint8, s as int8, both <4n x i8>;
+    n = 16 on VNNI only)."""
     if isa == "vnni":
-        start = acc if acc is not None else ir.Constant(_v8i32, None)
-        return call(builder, "llvm.x86.avx512.vpdpbusd.256", _v8i32,
-                     [start, builder.bitcast(u, _v8i32), builder.bitcast(s, _v8i32)])
+        lanes = u.type.count // 4
+        ty = ir.VectorType(_i32, lanes)
+        start = acc if acc is not None else ir.Constant(ty, None)
+        return call(builder, f"llvm.x86.avx512.vpdpbusd.{32 * lanes}", ty,
+                     [start, builder.bitcast(u, ty), builder.bitcast(s, ty)])
     pairs = call(builder, "llvm.x86.avx2.pmadd.ub.sw", _v16i16, [u, s])
     dot = call(builder, "llvm.x86.avx2.pmadd.wd", _v8i32, [pairs, ir.Constant(_v16i16, [1] * 16)])
     return dot if acc is None else builder.add(acc, dot)
@@ -138,39 +148,67 @@ def _group_block_base(j: ir.Value, q4: bool, builder: ir.IRBuilder) -> ir.Value:
     return builder.mul(j, ir.Constant(_i64, Q4_1_GROUP if q4 else Q8_0_GROUP))
 
 
-def _prefetch_next_group(builder: ir.IRBuilder, q4: bool, wptr: ir.Value, row_bytes: ir.Value, j: ir.Value) -> None:
+def _prefetch_next_group(builder: ir.IRBuilder, q4: bool, wptr: ir.Value, row_bytes: ir.Value, j: ir.Value,
+                         lanes: int) -> None:
     """Ask for block j of the next packed group (the next row of the packed matrix, where a chunk of groups
-    goes next), non-temporal (the weights are read once a step): a group ahead is further than the hardware
-    prefetcher runs. For the one-row kernel only, whose loop waits on memory: the batch-1 decode step on the
-    2-core Zen 3 VM was 5-16% faster in 9 of 10 rounds of two A/B runs (200 steps a round, alternating with
-    a build without it; the tenth round was an outlier of the other build). With 4 or 8 rows the loop is
-    bound by its arithmetic and a prefetch is one more instruction. A prefetch past the matrix's end touches
-    nothing (it never faults)."""
+    goes next; with 16 lanes, of the next two), non-temporal (the weights are read once a step): a group
+    ahead is further than the hardware prefetcher runs. On 8 lanes for the one-row kernel only, whose loop
+    waits on memory: the batch-1 decode step on the 2-core Zen 3 VM was 5-16% faster in 9 of 10 rounds of
+    two A/B runs (200 steps a round, alternating with a build without it; the tenth round was an outlier of
+    the other build). With 4 or 8 rows that loop is bound by its arithmetic and a prefetch is one more
+    instruction. The 16-lane kernels (`INT8_WIDE`) do the arithmetic in half the instructions, and their loop
+    waits on memory at every batch size: on the 2-core Zen 5 VM, 8 sequences decoded in-process at 1723-1818
+    tok/s with the prefetch at every size against 1374-1491 with it at one row only (3 alternating runs of 3
+    rounds, `bench/batched.py`'s loop), and the output matmul's phase of a step went from 2.2 to 1.3 M
+    cycles. Two pairs ahead measured the same as one. A prefetch past the matrix's end touches nothing (it
+    never faults)."""
     group = Q4_1_GROUP if q4 else Q8_0_GROUP
-    ahead = builder.add(row_bytes, _group_block_base(j, q4, builder))
-    for line in range(0, group, 64):
-        address = builder.gep(wptr, [builder.add(ahead, ir.Constant(_i64, line))])
-        # llvm.prefetch(address, read, locality 0 = non-temporal, data cache)
-        call(builder, "llvm.prefetch.p0", ir.VoidType(), [address, ir.Constant(_i32, 0), ir.Constant(_i32, 0),
-                                                          ir.Constant(_i32, 1)])
+    groups = lanes // LANES
+    for step in range(groups, 2 * groups):
+        ahead = builder.add(builder.mul(row_bytes, ir.Constant(_i64, step)), _group_block_base(j, q4, builder))
+        for line in range(0, group, 64):
+            address = builder.gep(wptr, [builder.add(ahead, ir.Constant(_i64, line))])
+            # llvm.prefetch(address, read, locality 0 = non-temporal, data cache)
+            call(builder, "llvm.prefetch.p0", ir.VoidType(), [address, ir.Constant(_i32, 0), ir.Constant(_i32, 0),
+                                                              ir.Constant(_i32, 1)])
 
 
-def _weight_block(builder: ir.IRBuilder, isa: str, q4: bool, wptr: ir.Value, j: ir.Value
+def _joined(builder: ir.IRBuilder, a: ir.Value, b: ir.Value) -> ir.Value:
+    """The vector a then b (two of one type): lanes 0..n-1 from a, n..2n-1 from b."""
+    n = a.type.count
+    return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_i32, 2 * n), list(range(2 * n))))
+
+
+def _group_loader(builder: ir.IRBuilder, wptr: ir.Value, row_bytes: ir.Value, lanes: int) -> Any:
+    """load(offset, ty): a `ty` at byte `offset` of the packed group at wptr, for 8 lanes; for 16, that and the
+    same `ty` of the next group (row_bytes further) side by side: lanes 8..15 are the next 8 weight rows."""
+
+    def load(offset: ir.Value, ty: ir.Type) -> ir.Value:
+        value = _load(builder, wptr, offset, ty)
+        if lanes == LANES:
+            return value
+        return _joined(builder, value, _load(builder, wptr, builder.add(offset, row_bytes), ty))
+
+    return load
+
+
+def _weight_block(builder: ir.IRBuilder, isa: str, q4: bool, load: Any, j: ir.Value, lanes: int
                   ) -> tuple[list[ir.Value], ir.Value, ir.Value | None]:
-    """The weight side of block j of a packed group of 8 rows: the eight vectors that meet the broadcast
-    activation pieces 0..7 (Q8_0 on AVX2: their magnitudes, then the signed values too), the d scales as
-    float32 (lane = row), and offset Q8_0's int32 corrections (else None). Q4_1's m scales are read by the
-    second loop (`_m_scales`)."""
+    """The weight side of block j of a packed group of 8 rows (16 lanes: of two groups, `_group_loader`): the
+    eight vectors that meet the broadcast activation pieces 0..7 (Q8_0 on AVX2: their magnitudes, then the
+    signed values too), the d scales as float32 (lane = row), and offset Q8_0's int32 corrections (else None).
+    Q4_1's m scales are read by the second loop (`_m_scales`)."""
     base = _group_block_base(j, q4, builder)
+    v_bytes = ir.VectorType(_i8, 4 * lanes)
 
     def at(offset: int, ty: ir.Type) -> ir.Value:
-        return _load(builder, wptr, builder.add(base, ir.Constant(_i64, offset)), ty)
+        return load(builder.add(base, ir.Constant(_i64, offset)), ty)
 
-    d_w = builder.fpext(at(0, _v8f16), _v8f32)
+    d_w = builder.fpext(at(0, _v8f16), ir.VectorType(_f32, lanes))
     if q4:
         packed = [at(32 + 32 * t, _v32i8) for t in range(4)]
-        low = [builder.and_(v, ir.Constant(_v32i8, [15] * 32)) for v in packed]
-        high = [builder.lshr(v, ir.Constant(_v32i8, [4] * 32)) for v in packed]
+        low = [builder.and_(v, ir.Constant(v_bytes, [15] * (4 * lanes))) for v in packed]
+        high = [builder.lshr(v, ir.Constant(v_bytes, [4] * (4 * lanes))) for v in packed]
         return low + high, d_w, None
     values = [at(48 + 32 * u, _v32i8) for u in range(8)]
     if _offset_q8_0(isa):
@@ -179,10 +217,10 @@ def _weight_block(builder: ir.IRBuilder, isa: str, q4: bool, wptr: ir.Value, j: 
     return magnitudes + values, d_w, None
 
 
-def _m_scales(builder: ir.IRBuilder, wptr: ir.Value, j: ir.Value) -> ir.Value:
-    """Q4_1's m scales of block j of a packed group, as float32 (lane = row)."""
+def _m_scales(builder: ir.IRBuilder, load: Any, j: ir.Value, lanes: int) -> ir.Value:
+    """Q4_1's m scales of block j of a packed group (16 lanes: of two groups), as float32 (lane = row)."""
     offset = builder.add(_group_block_base(j, True, builder), ir.Constant(_i64, 16))
-    return builder.fpext(_load(builder, wptr, offset, _v8f16), _v8f32)
+    return builder.fpext(load(offset, _v8f16), ir.VectorType(_f32, lanes))
 
 
 def _row_block(builder: ir.IRBuilder, isa: str, q4: bool, weights: list[ir.Value], d_w: ir.Value,
@@ -191,7 +229,9 @@ def _row_block(builder: ir.IRBuilder, isa: str, q4: bool, weights: list[ir.Value
     `weights` of 8 rows: piece u of the activations (values 4u..4u+3) is broadcast to every lane and meets
     weight vector u, so eight unsigned x signed dot instructions leave each row's exact integer sum in its
     lane; one conversion and one fma add d_w * d_x times it to acc."""
-    pieces = [builder.bitcast(splat(builder, _load(builder, xptr, ir.Constant(_i64, 4 * u), _i32), 8), _v32i8)
+    lanes = d_w.type.count
+    pieces = [builder.bitcast(splat(builder, _load(builder, xptr, ir.Constant(_i64, 4 * u), _i32), lanes),
+                              ir.VectorType(_i8, 4 * lanes))
               for u in range(8)]
     if q4:
         pairs = list(zip(weights, pieces))
@@ -212,20 +252,22 @@ def _row_block(builder: ir.IRBuilder, isa: str, q4: bool, weights: list[ir.Value
         sums = builder.add(chains[0], chains[1])  # integers: exact in any order
     if corrections is not None:
         sums = builder.sub(sums, corrections)
-    return fma(builder, builder.sitofp(sums, _v8f32), builder.fmul(d_w, splat(builder, d_x, 8)), acc)
+    return fma(builder, builder.sitofp(sums, d_w.type), builder.fmul(d_w, splat(builder, d_x, lanes)), acc)
 
 
-def _block_loop(builder: ir.IRBuilder, name: str, n_blocks: ir.Value, n_acc: int, body: Any) -> list[ir.Value]:
-    """`for j in range(n_blocks)` carrying n_acc <8 x float> accumulators from zero: body(j, accs) gives the
+def _block_loop(builder: ir.IRBuilder, name: str, n_blocks: ir.Value, n_acc: int, lanes: int, body: Any
+                ) -> list[ir.Value]:
+    """`for j in range(n_blocks)` carrying n_acc <lanes x float> accumulators from zero: body(j, accs) gives the
     next ones. The final accumulators (zero when n_blocks is 0)."""
-    zero = ir.Constant(_v8f32, None)
+    acc_type = ir.VectorType(_f32, lanes)
+    zero = ir.Constant(acc_type, None)
     entry = builder.basic_block
     loop = builder.append_basic_block(f"int8dot.{name}")
     done = builder.append_basic_block(f"int8dot.{name}.done")
     builder.cbranch(builder.icmp_signed(">", n_blocks, ir.Constant(_i64, 0)), loop, done)
     builder.position_at_end(loop)
     j = builder.phi(_i64)
-    accs = [builder.phi(_v8f32) for _ in range(n_acc)]
+    accs = [builder.phi(acc_type) for _ in range(n_acc)]
     new_accs = body(j, accs)
     j_next = builder.add(j, ir.Constant(_i64, 1))
     builder.cbranch(builder.icmp_signed("<", j_next, n_blocks), loop, done)
@@ -238,20 +280,23 @@ def _block_loop(builder: ir.IRBuilder, name: str, n_blocks: ir.Value, n_acc: int
     builder.position_at_end(done)
     finals = []
     for value in new_accs:
-        final = builder.phi(_v8f32)
+        final = builder.phi(acc_type)
         final.add_incoming(zero, entry)
         final.add_incoming(value, loop_end)
         finals.append(final)
     return finals
 
 
-def _make_rows_dot(n_x: int, isa: str) -> Any:
+def _make_rows_dot(n_x: int, isa: str, lanes: int = LANES) -> Any:
     """An intrinsic (qtype, packed, g, xq, xd, xs, b, out, n0) that sets out[b + r, n0 : n0 + 8] (the part of it
     inside out) for r < n_x to the dot products of packed group g of 8 weight rows (row g of a `pack_weight`
-    matrix, Q4_1 or Q8_0 as qtype says) with activation row b + r as `quantize_rows` left it.
+    matrix, Q4_1 or Q8_0 as qtype says) with activation row b + r as `quantize_rows` left it. With 16 lanes
+    (AVX-512 VNNI only) it does groups g and g + 1 at once, on 512-bit vectors: out[b + r, n0 : n0 + 16]; the
+    caller sees that group g + 1 exists.
 
     An output's sum is the same sequence of float operations for every n_x: blocks in order into one 8-lane
-    float32 accumulator (lane = weight row), Q4_1's m terms into a second, the two added at the end. Several
+    float32 accumulator (lane = weight row), Q4_1's m terms into a second, the two added at the end; a lane's
+    operations do not depend on the vector's width either, so both widths give the same bits. Several
     activation rows per call share each weight block's loads and unpacking. The m terms have their own loop
     over the blocks after the integer one: their accumulators would not fit in AVX2's 16 vector registers
     beside the integer loop's (it spilled to the stack at n_x = 8), and a separate chain gives the same bits."""
@@ -289,43 +334,49 @@ def _make_rows_dot(n_x: int, isa: str) -> Any:
         firsts = [builder.mul(row, n_blocks) for row in rows]  # of the row's scales in xd / xs
 
         def dots(j: ir.Value, accs: list[ir.Value]) -> list[ir.Value]:
-            if n_x == 1:
-                _prefetch_next_group(builder, q4, wptr, row_bytes, j)
-            weights, d_w, corrections = _weight_block(builder, isa, q4, wptr, j)
+            if n_x == 1 or lanes > LANES:
+                _prefetch_next_group(builder, q4, wptr, row_bytes, j, lanes)
+            weights, d_w, corrections = _weight_block(builder, isa, q4, load, j, lanes)
             return [_row_block(builder, isa, q4, weights, d_w, corrections,
                                builder.gep(xrows[r], [builder.mul(j, ir.Constant(_i64, QK))]),
                                builder.load(builder.gep(d.data, [builder.add(firsts[r], j)])), accs[r])
                     for r in range(n_x)]
 
         def m_terms(j: ir.Value, accs: list[ir.Value]) -> list[ir.Value]:
-            m_w = _m_scales(builder, wptr, j)
+            m_w = _m_scales(builder, load, j, lanes)
             return [fma(builder, m_w, splat(builder, builder.load(builder.gep(s.data, [builder.add(firsts[r], j)])),
-                                            8), accs[r])
+                                            lanes), accs[r])
                     for r in range(n_x)]
 
-        totals = _block_loop(builder, "dots", n_blocks, n_x, dots)
+        load = _group_loader(builder, wptr, row_bytes, lanes)
+        totals = _block_loop(builder, "dots", n_blocks, n_x, lanes, dots)
         if q4:
-            totals = [builder.fadd(t, m) for t, m in zip(totals, _block_loop(builder, "m", n_blocks, n_x, m_terms))]
+            totals = [builder.fadd(t, m)
+                      for t, m in zip(totals, _block_loop(builder, "m", n_blocks, n_x, lanes, m_terms))]
         n_valid = builder.sub(n_out, n0)
-        whole = builder.icmp_signed(">=", n_valid, ir.Constant(_i64, LANES))
+        whole = builder.icmp_signed(">=", n_valid, ir.Constant(_i64, lanes))
         for r, total in enumerate(totals):
             first = builder.gep(o.data, [builder.add(builder.mul(rows[r], n_out), n0)])
             with builder.if_else(whole) as (all_lanes, some_lanes):
                 with all_lanes:
-                    builder.store(total, builder.bitcast(first, _v8f32.as_pointer()), align=4)
+                    builder.store(total, builder.bitcast(first, total.type.as_pointer()), align=4)
                 with some_lanes:  # the last group of a matrix whose rows are not a multiple of 8
-                    for lane in range(LANES):
+                    for lane in range(lanes):
                         inside = builder.icmp_signed(">", n_valid, ir.Constant(_i64, lane))
                         with builder.if_then(inside):
                             builder.store(builder.extract_element(total, ir.Constant(_i32, lane)),
                                           builder.gep(first, [ir.Constant(_i64, lane)]))
 
-    rows_dot.__name__ = rows_dot.__qualname__ = f"rows_dot_{n_x}_{isa}"
+    rows_dot.__name__ = rows_dot.__qualname__ = f"rows_dot_{n_x}_{isa}_{lanes}"
     return intrinsic(rows_dot)
 
 
 _ISA = INT8_ISA or "avx2"  # the kernels below are never called without one
 _dot_1, _dot_4, _dot_8 = (_make_rows_dot(n, _ISA) for n in (1, 4, 8))
+# Two groups a call on 512-bit vectors where the CPU has AVX-512 VNNI (`INT8_WIDE`); elsewhere never called, and
+# the 8-lane kernels stand in for them so that nothing asks LLVM for instructions the CPU lacks.
+_wide_1, _wide_4, _wide_8 = ((_make_rows_dot(n, _ISA, 2 * LANES) for n in (1, 4, 8)) if INT8_WIDE
+                             else (_dot_1, _dot_4, _dot_8))
 
 
 _KERNEL = dict(cache=True, nogil=True, error_model="numpy")
@@ -482,9 +533,23 @@ def quantize_rows(x: np.ndarray, offset: bool = False) -> tuple[np.ndarray, np.n
 @numba.njit(**_KERNEL)
 def _gemm_groups(qtype, packed, xq, xd, xs, out, g_lo, g_hi):
     """out[b, 8g : 8g + 8] for every activation row b and weight group g in g_lo .. g_hi - 1. Each group's blocks
-    are used for every activation row while they are in L1."""
+    are used for every activation row while they are in L1. With `INT8_WIDE`, pairs of groups a call."""
     batch = xq.shape[0]
-    for g in range(g_lo, g_hi):
+    g = g_lo
+    while INT8_WIDE and g + 2 <= g_hi:
+        n0 = g * LANES
+        b = 0
+        while b + 8 <= batch:
+            _wide_8(qtype, packed, g, xq, xd, xs, b, out, n0)
+            b += 8
+        while b + 4 <= batch:
+            _wide_4(qtype, packed, g, xq, xd, xs, b, out, n0)
+            b += 4
+        while b < batch:
+            _wide_1(qtype, packed, g, xq, xd, xs, b, out, n0)
+            b += 1
+        g += 2
+    for g in range(g, g_hi):
         n0 = g * LANES
         b = 0
         while b + 8 <= batch:
@@ -504,6 +569,7 @@ def _gemm_int8(qtype, packed, xq, xd, xs, out, n_chunks):
     over the threads."""
     n_groups = packed.shape[0]
     chunk = (n_groups + n_chunks - 1) // n_chunks
+    chunk += chunk % 2  # whole pairs of groups for the wide kernels
     for c in numba.prange((n_groups + chunk - 1) // chunk):
         _gemm_groups(qtype, packed, xq, xd, xs, out, c * chunk, min(n_groups, (c + 1) * chunk))
 
