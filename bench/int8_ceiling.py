@@ -38,40 +38,42 @@ from pantheon.kernels.cpu.llvm_ir import call  # noqa: E402
 
 CHAINS = 8  # independent accumulators: enough to cover the instruction's latency
 _i8, _i16, _i32, _i64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
-_v32i8, _v16i16, _v8i32 = ir.VectorType(_i8, 32), ir.VectorType(_i16, 16), ir.VectorType(_i32, 8)
+_v16i16 = ir.VectorType(_i16, 16)
 
 
-def _dot_loop(isa: str):  # type: ignore[no-untyped-def]
-    """An intrinsic (iterations) -> int64: CHAINS dot instructions an iteration into CHAINS accumulators. The
-    activation operand moves by one byte add an iteration so that LLVM cannot hoist the dots out of the loop."""
+def _dot_loop(isa: str, lanes: int):  # type: ignore[no-untyped-def]
+    """An intrinsic (iterations) -> int64: CHAINS dot instructions an iteration into CHAINS accumulators, on
+    vectors of `lanes` 32-bit lanes (16: 512-bit, VNNI only). The activation operand moves by one byte add an
+    iteration so that LLVM cannot hoist the dots out of the loop."""
+    v_bytes, v_words = ir.VectorType(_i8, 4 * lanes), ir.VectorType(_i32, lanes)
 
     @intrinsic
     def dot_loop(typingctx, iterations):  # type: ignore[no-untyped-def]
         def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
             n = args[0]
-            weights = [ir.Constant(_v32i8, [(3 * k + j) % 15 + 1 for j in range(32)]) for k in range(CHAINS)]
-            acc_type = _v8i32 if isa == "vnni" else _v16i16
+            weights = [ir.Constant(v_bytes, [(3 * k + j) % 15 + 1 for j in range(4 * lanes)]) for k in range(CHAINS)]
+            acc_type = v_words if isa == "vnni" else _v16i16
             entry = builder.basic_block
             loop = builder.append_basic_block("loop")
             done = builder.append_basic_block("done")
             builder.branch(loop)
             builder.position_at_end(loop)
             i = builder.phi(_i64)
-            x = builder.phi(_v32i8)
+            x = builder.phi(v_bytes)
             accs = [builder.phi(acc_type) for _ in range(CHAINS)]
             new = []
             for w, acc in zip(weights, accs):
                 if isa == "vnni":
-                    new.append(call(builder, "llvm.x86.avx512.vpdpbusd.256", _v8i32,
-                                    [acc, builder.bitcast(w, _v8i32), builder.bitcast(x, _v8i32)]))
+                    new.append(call(builder, f"llvm.x86.avx512.vpdpbusd.{32 * lanes}", v_words,
+                                    [acc, builder.bitcast(w, v_words), builder.bitcast(x, v_words)]))
                 else:
                     new.append(builder.add(acc, call(builder, "llvm.x86.avx2.pmadd.ub.sw", _v16i16, [w, x])))
-            x_next = builder.add(x, ir.Constant(_v32i8, [1] * 32))
+            x_next = builder.add(x, ir.Constant(v_bytes, [1] * (4 * lanes)))
             i_next = builder.add(i, ir.Constant(_i64, 1))
             builder.cbranch(builder.icmp_signed("<", i_next, n), loop, done)
             i.add_incoming(ir.Constant(_i64, 0), entry)
             i.add_incoming(i_next, loop)
-            x.add_incoming(ir.Constant(_v32i8, [1] * 32), entry)
+            x.add_incoming(ir.Constant(v_bytes, [1] * (4 * lanes)), entry)
             x.add_incoming(x_next, loop)
             for phi, value in zip(accs, new):
                 phi.add_incoming(ir.Constant(acc_type, None), entry)
@@ -89,8 +91,10 @@ def _dot_loop(isa: str):  # type: ignore[no-untyped-def]
 
 def ceiling(iterations: int = 20_000_000) -> float:
     """GMAC/s of the dot instruction + its add on one thread (best of 3). The machine's ceiling is this times
-    the threads: the 2 vCPUs here are separate cores (the same kernel runs as fast on both at once)."""
-    dot_loop = _dot_loop(int8dot.INT8_ISA or "avx2")
+    the threads: the 2 vCPUs here are separate cores (the same kernel runs as fast on both at once). On the
+    vector width the kernels use: 512 bits where int8dot.INT8_WIDE."""
+    lanes = 16 if int8dot.INT8_WIDE else 8
+    dot_loop = _dot_loop(int8dot.INT8_ISA or "avx2", lanes)
 
     @numba.njit(nogil=True)
     def one(n):  # type: ignore[no-untyped-def]
@@ -101,7 +105,7 @@ def ceiling(iterations: int = 20_000_000) -> float:
     for _ in range(3):
         start = time.perf_counter()
         one(iterations)
-        best = max(best, iterations * CHAINS * 32.0 / (time.perf_counter() - start) / 1e9)
+        best = max(best, iterations * CHAINS * 4.0 * lanes / (time.perf_counter() - start) / 1e9)
     return best
 
 
@@ -158,7 +162,8 @@ def main() -> None:
     step1, step8, macs = decode_steps(args.threads)
     floor8 = 8 * macs / (team * 1e9)
     in_cache8 = 8 * macs / (kernel * args.threads * 1e9)
-    print(f"instruction set: {int8dot.INT8_ISA}; threads {args.threads}")
+    width = " on 512-bit vectors" if int8dot.INT8_WIDE else ""
+    print(f"instruction set: {int8dot.INT8_ISA}{width}; threads {args.threads}")
     print(f"ceiling (dot + add chains): {one:.1f} GMAC/s a thread, {team:.1f} for {args.threads}")
     print(f"int8 matmul kernel, Q4_1 1536 x 576, batch 8, in cache, one thread: {kernel:.1f} GMAC/s "
           f"({kernel / one:.2f} of the ceiling)")
@@ -168,7 +173,8 @@ def main() -> None:
           f"{8 * step1 / floor8:.2f}x with everything else free; at the kernel's in-cache rate "
           f"({kernel * args.threads:.0f} GMAC/s): {in_cache8 * 1e3:.2f} ms -> at most {8 * step1 / in_cache8:.2f}x")
     path = write_result("int8-ceiling", {
-        "threads": args.threads, "ceiling_gmac_s_one_thread": one,
+        "threads": args.threads, "instruction_set": int8dot.INT8_ISA, "wide_512": int8dot.INT8_WIDE,
+        "ceiling_gmac_s_one_thread": one,
         "kernel_q4_1_batch8_in_cache_gmac_s": kernel, "step_batch1_ms": step1 * 1e3, "step_batch8_ms": step8 * 1e3,
         "ratio_8_to_1": 8 * step1 / step8, "macs_per_token": macs, "bound_at_ceiling": 8 * step1 / floor8,
         "bound_at_kernel_in_cache": 8 * step1 / in_cache8})
