@@ -531,36 +531,42 @@ def quantize_rows(x: np.ndarray, offset: bool = False) -> tuple[np.ndarray, np.n
 
 
 @numba.njit(**_KERNEL)
+def _group_rows(wide, qtype, packed, g, xq, xd, xs, out):
+    """Every activation row against weight group g (wide: groups g and g + 1, `INT8_WIDE`'s kernels), 8 rows a
+    call while there are 8, then 4, then one."""
+    batch = xq.shape[0]
+    n0 = g * LANES
+    b = 0
+    while b + 8 <= batch:
+        if wide:
+            _wide_8(qtype, packed, g, xq, xd, xs, b, out, n0)
+        else:
+            _dot_8(qtype, packed, g, xq, xd, xs, b, out, n0)
+        b += 8
+    while b + 4 <= batch:
+        if wide:
+            _wide_4(qtype, packed, g, xq, xd, xs, b, out, n0)
+        else:
+            _dot_4(qtype, packed, g, xq, xd, xs, b, out, n0)
+        b += 4
+    while b < batch:
+        if wide:
+            _wide_1(qtype, packed, g, xq, xd, xs, b, out, n0)
+        else:
+            _dot_1(qtype, packed, g, xq, xd, xs, b, out, n0)
+        b += 1
+
+
+@numba.njit(**_KERNEL)
 def _gemm_groups(qtype, packed, xq, xd, xs, out, g_lo, g_hi):
     """out[b, 8g : 8g + 8] for every activation row b and weight group g in g_lo .. g_hi - 1. Each group's blocks
     are used for every activation row while they are in L1. With `INT8_WIDE`, pairs of groups a call."""
-    batch = xq.shape[0]
     g = g_lo
     while INT8_WIDE and g + 2 <= g_hi:
-        n0 = g * LANES
-        b = 0
-        while b + 8 <= batch:
-            _wide_8(qtype, packed, g, xq, xd, xs, b, out, n0)
-            b += 8
-        while b + 4 <= batch:
-            _wide_4(qtype, packed, g, xq, xd, xs, b, out, n0)
-            b += 4
-        while b < batch:
-            _wide_1(qtype, packed, g, xq, xd, xs, b, out, n0)
-            b += 1
+        _group_rows(True, qtype, packed, g, xq, xd, xs, out)
         g += 2
     for g in range(g, g_hi):
-        n0 = g * LANES
-        b = 0
-        while b + 8 <= batch:
-            _dot_8(qtype, packed, g, xq, xd, xs, b, out, n0)
-            b += 8
-        while b + 4 <= batch:
-            _dot_4(qtype, packed, g, xq, xd, xs, b, out, n0)
-            b += 4
-        while b < batch:
-            _dot_1(qtype, packed, g, xq, xd, xs, b, out, n0)
-            b += 1
+        _group_rows(False, qtype, packed, g, xq, xd, xs, out)
 
 
 @numba.njit(parallel=True, **_KERNEL)
