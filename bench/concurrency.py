@@ -23,7 +23,8 @@ meanwhile), at the same levels and thread count, with `bench/batched.py`: Panthe
 one forward pass a step, and llama.cpp (llama-cpp-python's C API, where the `bench` extra is installed) with
 B sequence ids in one llama_decode a step, in a child process of its own (`LlamaCppProcess`: in this process
 its OpenMP use slowed Pantheon's batch-8 decode by ~20%). Those show what the batched step itself gains from 1
-to 8 streams on each engine, free of the server. The HTTP / in-process ratio (1 stream) is the median of the per-round ratios.
+to 8 streams on each engine, free of the server. The HTTP / in-process ratio (1 stream) is the median of the
+per-round ratios.
 Pantheon runs the int8-activation path by default (where the CPU has the instructions); PANTHEON_CPU_INT8=0
 measures the float32 path. Prints a table and writes bench/results/<date>-concurrency.json.
 """
