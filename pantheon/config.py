@@ -71,6 +71,9 @@ class EnvKnobs:
     # ~1.7x faster decode) where the CPU has the instructions; 0: float32 activations and KV cache (exact
     # arithmetic on the stored weights).
     cpu_int8: bool = True
+    # PANTHEON_STREAM_INTERVAL_MS: a decode run hands its tokens to the event loop (and each stream's socket)
+    # at most this often, several steps at a time; 0 = after every step. The first token is never held.
+    stream_interval_ms: float = 10.0
 
     @property
     def default_model_path(self) -> Path:
@@ -117,6 +120,7 @@ def read_env(environ: Mapping[str, str] | None = None) -> EnvKnobs:
         meminfo_path=Path(env.get("PN_MEMINFO_PATH") or "/proc/meminfo"),
         host_budget_bytes=max(0, _int_env(env, "PN_HOST_BUDGET_BYTES", 0)),
         cpu_int8=_flag_env(env, "PANTHEON_CPU_INT8") is not False,
+        stream_interval_ms=max(0.0, _float_env(env, "PANTHEON_STREAM_INTERVAL_MS", 10.0)),
     )
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from pantheon import cli
 from pantheon.config import EnvKnobs, read_env
 
@@ -42,3 +44,13 @@ def test_cpu_int8_is_the_default_and_zero_selects_float() -> None:
     assert read_env({"PANTHEON_CPU_INT8": "1"}).cpu_int8 is True
     for off in ("0", "false", "no", "off", " OFF "):
         assert read_env({"PANTHEON_CPU_INT8": off}).cpu_int8 is False, off
+
+
+
+def test_stream_interval_defaults_to_10_ms_and_reads_the_env() -> None:
+    assert read_env({}).stream_interval_ms == 10.0
+    assert read_env({"PANTHEON_STREAM_INTERVAL_MS": "0"}).stream_interval_ms == 0.0
+    assert read_env({"PANTHEON_STREAM_INTERVAL_MS": "2.5"}).stream_interval_ms == 2.5
+    assert read_env({"PANTHEON_STREAM_INTERVAL_MS": "-3"}).stream_interval_ms == 0.0
+    with pytest.raises(SystemExit, match="PANTHEON_STREAM_INTERVAL_MS"):
+        read_env({"PANTHEON_STREAM_INTERVAL_MS": "soon"})

@@ -820,3 +820,39 @@ async def test_a_run_hands_each_step_over_once_the_next_step_is_prepared() -> No
     # The prefill step, then the run's first decode step (the prefill's token already out), then every later
     # step prepared with the previous step's token still held back.
     assert [computed - received for computed, received in model.at_prepare] == [0, 0, 1, 1, 1, 1], model.at_prepare
+
+
+async def _taken_groups(interval_s: float, n_tokens: int) -> list[int]:
+    """Decode one job of n_tokens on a 5 ms-a-step model whose consumer takes every token at once (`on_token`);
+    the sizes of the groups of tokens that `on_flush` closed, in order. Checks that every token was taken once,
+    in order, each group flushed once, and the turn finished."""
+    from pantheon.sched.jobs import FinishEvent
+
+    model = CountingModel()
+    sched = fake_scheduler(model)
+    sched.stream_interval_s = interval_s
+    job = fake_job(n_tokens)
+    log: list[str] = []
+    job.on_token = lambda sampled: log.append("token") or True
+    job.on_flush = lambda: log.append("flush")
+    events = sched.submit(job)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sched.run)
+        with trio.fail_after(10):
+            rest = [event async for event in events]
+        nursery.cancel_scope.cancel()
+    assert len(rest) == 1 and isinstance(rest[0], FinishEvent) and rest[0].usage.completion_tokens == n_tokens
+    assert log.count("token") == n_tokens and log[-1] == "flush"
+    groups = [len(part) for part in "".join("t" if e == "token" else "|" for e in log).split("|")[:-1]]
+    assert all(groups), log  # no flush without tokens before it
+    return groups
+
+
+async def test_a_run_hands_its_steps_over_together_at_most_every_stream_interval() -> None:
+    """With a stream interval, a decode run hands several steps to the event loop in one wake-up, and the
+    consumer flushes once for all of them; the prefill's token and the run's first step still go out alone,
+    at once. Without one, every step goes out on its own."""
+    assert await _taken_groups(0.0, 30) == [1] * 30
+    groups = await _taken_groups(0.05, 30)
+    assert groups[:2] == [1, 1] and sum(groups) == 30, groups
+    assert max(groups) >= 3 and len(groups) <= 12, groups  # 5 ms steps, 50 ms apart: ~10 steps a group

@@ -9,6 +9,7 @@ import socket
 from functools import partial
 from typing import Any
 
+import pytest
 import trio
 from hypercorn.config import Config
 from hypercorn.events import RawData
@@ -244,6 +245,7 @@ async def test_write_now_keeps_what_the_socket_did_not_take_for_flush() -> None:
         assert writer is not None and writer.ready()
         for chunk in chunks:
             writer.write_now(chunk)
+        writer.send_held()
         states.append(writer.ready())  # a backlog: not ready until flushed
         await writer.flush()
         states.append(writer.ready())
@@ -253,6 +255,42 @@ async def test_write_now_keeps_what_the_socket_did_not_take_for_flush() -> None:
                             lambda r: r.endswith(b"\r\n0\r\n\r\n"), wait_s=0.3)
     assert states == [False, True]
     assert _unchunked(raw.split(b"\r\n\r\n", 1)[1]) == b"".join(chunks)
+
+
+async def test_write_now_holds_its_chunks_for_one_write(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The chunks of one wake-up's tokens go out in one write(2), at send_held, not one write each; an awaited
+    write sends what is held first."""
+    assert fastsend.install()
+    writes: list[bytes] = []
+    real_write = fastsend._write_some
+
+    def counting_write(server: Any, data: bytes) -> int:
+        writes.append(bytes(data))
+        return real_write(server, data)
+
+    monkeypatch.setattr(fastsend, "_write_some", counting_write)
+    seen: list[int] = []
+
+    async def handler(send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+        writer = fastsend.body_writer(send)
+        assert writer is not None
+        writes.clear()  # the status line and headers went first
+        for chunk in (b"data: 1\n\n", b"data: 2\n\n", b"data: 3\n\n"):
+            writer.write_now(chunk)
+        seen.append(len(writes))
+        writer.send_held()
+        seen.append(len(writes))
+        writer.write_now(b"data: 4\n\n")
+        await writer(b"data: 5\n\n")
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    raw = await _serve_once(_lifespan_or(handler), b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
+                            lambda r: r.endswith(b"\r\n0\r\n\r\n"))
+    assert seen == [0, 1]
+    assert writes[0] == b"9\r\ndata: 1\n\n\r\n9\r\ndata: 2\n\n\r\n9\r\ndata: 3\n\n\r\n"
+    assert writes[1] == b"9\r\ndata: 4\n\n\r\n"  # held, sent before the awaited chunk
+    assert _unchunked(raw.split(b"\r\n\r\n", 1)[1]) == b"".join(b"data: %d\n\n" % i for i in range(1, 6))
 
 
 async def test_a_pipelined_request_that_closes_the_connection_does_not_cut_the_answer_before_it() -> None:

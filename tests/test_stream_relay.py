@@ -62,7 +62,7 @@ async def _relay(tokenizer: Tokenizer, stops: list[str], ready_for: Any, back_to
         await trio.sleep(0)  # a real send may wait
         chunks.append(("awaited", chunk))
 
-    now = chat_completion.NowSink(lambda: ready[0], lambda chunk: chunks.append(("now", chunk)))
+    now = chat_completion.NowSink(lambda: ready[0], lambda chunk: chunks.append(("now", chunk)), lambda: None)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(chat_completion.stream, completion, emit, now)
         await trio.testing.wait_all_tasks_blocked()

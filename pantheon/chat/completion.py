@@ -248,6 +248,7 @@ async def _run_choice(completion: Completion, index: int, on_delta: Any = None, 
         async with channel:
             if now is not None:
                 job.on_token = take
+                job.on_flush = now.flush
             async for event in _events(completion, index):
                 if failed:
                     raise failed[0]
@@ -280,6 +281,7 @@ async def _run_choice(completion: Completion, index: int, on_delta: Any = None, 
                 raise failed[0]
     finally:
         job.on_token = None
+        job.on_flush = None
         job.cancel()
     delta = result.output.finish()
     if delta and on_delta is not None:
@@ -377,10 +379,13 @@ Emit = Callable[[dict[str, Any]], Awaitable[None]]
 @dataclass(frozen=True)
 class NowSink:
     """A sink that can also send without waiting: `send(chunk)` is allowed when `ready()` says so, and after
-    it within the same callback; whatever it cannot write at once goes out before the next awaited emit."""
+    it within the same callback. What it sends is held until `flush()` (the scheduler calls it once a wake-up's
+    tokens are all handed over: one write for them), or until the next awaited emit, which sends it first;
+    whatever the socket cannot take at once goes out before that emit too."""
 
     ready: Callable[[], bool]
     send: Callable[[dict[str, Any]], None]
+    flush: Callable[[], None]
 
 
 async def stream(completion: Completion, emit: Emit, now: NowSink | None = None) -> None:

@@ -289,7 +289,8 @@ class App:
         write_body = fastsend.body_writer(send)
         now = None
         if write_body is not None:
-            now = chat_completion.NowSink(write_body.ready, lambda chunk: write_body.write_now(sse_data(chunk)))
+            now = chat_completion.NowSink(write_body.ready, lambda chunk: write_body.write_now(sse_data(chunk)),
+                                          write_body.send_held)
 
         async def emit(chunk: dict[str, Any]) -> None:
             if write_body is not None:

@@ -75,7 +75,8 @@ class BodyWriter:
         self._connection = connection
         self._server = server
         self._raw_data = raw_data
-        self._backlog = b""  # framed bytes a write_now left, sent before anything else
+        self._backlog = b""  # framed bytes the socket did not take at once, sent before anything else
+        self._held = b""  # framed chunks write_now queued, for send_held's one write
 
     def ready(self) -> bool:
         """Whether `write_now` may send now: the response is in its body, with no other write holding the
@@ -84,18 +85,31 @@ class BodyWriter:
                 and not self._server.send_lock.locked())
 
     def write_now(self, body: bytes) -> None:
-        """Send body as the next chunk without waiting (after `ready()`, or after another write_now): what the
-        socket does not take at once waits for the next `await writer(...)` or `flush()`, which send it first."""
+        """Queue body as the next chunk (after `ready()`, or after another write_now), for `send_held` to write
+        without waiting, along with the chunks queued after it: several tokens of one wake-up cost one
+        write(2). Chunks left then are sent first by the next `await writer(...)` or `flush()`."""
         if not body:
             return  # an empty chunk would end the body
         framed = b"%x\r\n%b\r\n" % (len(body), body)
         if self._backlog:
-            self._backlog += framed
-            return
-        self._backlog = framed[_write_some(self._server, framed):]
+            self._backlog += framed  # behind what the socket did not take
+        else:
+            self._held += framed
+
+    def send_held(self) -> None:
+        """Write the chunks `write_now` queued, in one non-blocking write: what the socket does not take at once
+        waits for the next `await writer(...)` or `flush()`."""
+        if self._held:
+            held, self._held = self._held, b""
+            if self._backlog:
+                self._backlog += held
+            else:
+                self._backlog = held[_write_some(self._server, held):]
 
     async def flush(self) -> None:
-        """Send what `write_now` left, on hypercorn's road (before any other write of this response)."""
+        """Send what `write_now` queued or the socket left, on hypercorn's road for the latter (before any
+        other write of this response)."""
+        self.send_held()
         if self._backlog:
             rest, self._backlog = self._backlog, b""
             await _installed["original"](self._server, self._raw_data(data=rest))

@@ -162,7 +162,8 @@ class ModelManager:
         scheduler = Scheduler(served, max_sessions=opts.resolved_max_sessions,
                               max_concurrent=opts.resolved_max_concurrent, queue_depth=env.queue_depth,
                               batched=env.batch_slots, idle_ttl_s=env.session_idle_ttl_ms / 1000.0,
-                              metrics=self.metrics, forward_thread=self._forward_thread(backend))
+                              metrics=self.metrics, forward_thread=self._forward_thread(backend),
+                              stream_interval_s=env.stream_interval_ms / 1000.0)
         dies = opts.dies or ((backend.die,) if backend.accelerator else ())
         instance = ModelInstance(served, scheduler, dies=dies, weights_bytes=weights, state_bytes=state,
                                  backend=backend)
