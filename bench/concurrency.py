@@ -18,13 +18,14 @@ stream took ~420 us of CPU per token). Per level:
                           prefill and queueing)
   TTFT                    median and max over the streams, from sending the request to its first content
 
-Beside the HTTP levels, every round also decodes the same prompts in this process (the server idle
-meanwhile), at the same levels and thread count, with `bench/batched.py`: Pantheon's model with B sequences in
-one forward pass a step, and llama.cpp (llama-cpp-python's C API, where the `bench` extra is installed) with
-B sequence ids in one llama_decode a step, in a child process of its own (`LlamaCppProcess`: in this process
-its OpenMP use slowed Pantheon's batch-8 decode by ~20%). Those show what the batched step itself gains from 1
-to 8 streams on each engine, free of the server. The HTTP / in-process ratio (1 stream) is the median of the
-per-round ratios.
+Beside each HTTP level, every round also decodes the same prompts in this process, right before or after it
+(the server idle meanwhile), at the same levels and thread count, with `bench/batched.py`: Pantheon's model
+with B sequences in one forward pass a step, and llama.cpp (llama-cpp-python's C API, where the `bench` extra
+is installed) with B sequence ids in one llama_decode a step, in a child process of its own
+(`LlamaCppProcess`: in this process its OpenMP use slowed Pantheon's batch-8 decode by ~20%). Those show what
+the batched step itself gains from 1 to 8 streams on each engine, free of the server. HTTP / in-process (at
+every level; the issue's bar is at 1 stream) is the median of the per-round ratios of those back-to-back
+pairs.
 Pantheon runs the int8-activation path by default (where the CPU has the instructions); PANTHEON_CPU_INT8=0
 measures the float32 path. Prints a table and writes bench/results/<date>-concurrency.json.
 """
@@ -143,20 +144,26 @@ def main() -> None:
         # Rounds over all the levels, rather than all the runs of one level and then the next: this VM's speed
         # drifts by 10-30% over minutes, and a ratio between levels should compare neighbouring minutes.
         by_level: dict[int, list[dict[str, Any]]] = {n: [] for n in levels}
-        for _ in range(args.runs):
-            # In-process decodes in every round too (the server idle meanwhile), so that HTTP / in-process and
-            # Pantheon / llama.cpp compare neighbouring minutes (one in-process figure before all the rounds
-            # gave 0.84 and 1.10 in two runs of one tree).
+        for r in range(args.runs):
             for n in levels:
+                # A level's HTTP and in-process runs go back to back (HTTP first in odd rounds), so their ratio
+                # compares neighbouring seconds: with the in-process levels all run before the HTTP ones, the
+                # single-stream pair was a minute apart and its ratio went from 0.77 to 1.19 between rounds
+                # of one tree (2026-12-01, Zen 5 VM; adjacent pairs of the same tree: 0.92-0.98).
+                if r % 2:
+                    by_level[n].append(run_level(server, n, args.tokens, bias, args.temperature))
                 inproc[n].append(decoder.run(prompts[:n], args.tokens))
+                if not r % 2:
+                    by_level[n].append(run_level(server, n, args.tokens, bias, args.temperature))
                 if reference is not None:
                     llama[n].append(reference.run(prompts[:n], args.tokens))
-            for n in levels:
-                by_level[n].append(run_level(server, n, args.tokens, bias, args.temperature))
         rows = []
         for n, runs in by_level.items():
             row = _medians(runs)
             row["streams"] = n
+            # HTTP / in-process within each round: the pair ran back to back
+            row["http_vs_in_process_rounds"] = [h["aggregate_decode_tok_s"] / i["decode_tok_s"]
+                                                for h, i in zip(runs, inproc[n])]
             rows.append(row)
     finally:
         server.stop()
@@ -188,19 +195,19 @@ def main() -> None:
           f"load average {load_before[0]:.1f} before, {load_after[0]:.1f} after")
     print("aggregate decode tok/s (x 1 stream: the median of the per-round ratios); HTTP: pantheon serve, the "
           "scheduler's batched steps; in-process: one forward pass of B sequences a step, no server")
-    print(f"{'streams':>7}{'HTTP':>9}{'x 1':>7}{'in-proc':>9}{'x 1':>7}{'llama.cpp':>11}{'x 1':>7}"
-          f"{'in-proc/llama':>15}{'overall':>9}{'TTFT med':>10}{'TTFT max':>10}")
+    print(f"{'streams':>7}{'HTTP':>9}{'x 1':>7}{'in-proc':>9}{'x 1':>7}{'HTTP/in-proc':>14}{'llama.cpp':>11}"
+          f"{'x 1':>7}{'in-proc/llama':>15}{'overall':>9}{'TTFT med':>10}{'TTFT max':>10}")
     for row in rows:
         n, agg = row["streams"], row["aggregate_decode_tok_s"]
         http_x = statistics.median(row["round_ratios"]) if "round_ratios" in row else 1.0
         print(f"{n:>7}{agg:>9.1f}{http_x:>7.2f}{rate(in_rows, n):>9.1f}{of_one(in_rows, n):>7.2f}"
-              f"{rate(ll_rows, n):>11.1f}{of_one(ll_rows, n):>7.2f}{rate(in_rows, n) / rate(ll_rows, n):>15.2f}"
+              f"{statistics.median(row['http_vs_in_process_rounds']):>14.2f}{rate(ll_rows, n):>11.1f}"
+              f"{of_one(ll_rows, n):>7.2f}{rate(in_rows, n) / rate(ll_rows, n):>15.2f}"
               f"{row['overall_tok_s']:>9.1f}{row['ttft_median_s']:>10.2f}{row['ttft_max_s']:>10.2f}")
     for row in rows[1:] if one else []:
         print(f"{row['streams']} streams / 1 stream over HTTP, round by round: "
               f"{' '.join(f'{x:.2f}' for x in row['round_ratios'])}")
-    http_ratio = ([r["aggregate_decode_tok_s"] / ip["decode_tok_s"] for r, ip in zip(rows[0]["runs"], inproc[1])]
-                  if one else [nan])
+    http_ratio = rows[0]["http_vs_in_process_rounds"] if one else [nan]
     ratio = statistics.median(http_ratio)
     print(f"single stream decode: HTTP {rows[0]['aggregate_decode_tok_s']:.1f} tok/s, in-process "
           f"{rate(in_rows, levels[0]):.1f} tok/s (medians); HTTP / in-process round by round: "
