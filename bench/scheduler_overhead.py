@@ -74,7 +74,8 @@ def main() -> None:
                 positions[b] += 1
         return batch * n / (time.perf_counter() - started)
 
-    scheduler = Scheduler(served, max_sessions=1, max_concurrent=8, queue_depth=8, forward_thread=forward)
+    scheduler = Scheduler(served, max_sessions=1, max_concurrent=8, queue_depth=8, forward_thread=forward,
+                          stream_interval_s=env.stream_interval_ms / 1000.0)  # as the server runs it
 
     async def via_scheduler(batch: int) -> float:
         times: list[tuple[int, float]] = []

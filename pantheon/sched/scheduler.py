@@ -345,13 +345,15 @@ class Scheduler:
 
     async def _decode_run(self, rows: list[BatchRow], owners: list[Active]) -> None:
         """Decode steps of a rewindable model, run back to back by the forward thread (`_decode_chain`) for as
-        long as nothing needs a new plan, each step's tokens delivered (`_take_steps`) while the next one computes.
+        long as nothing needs a new plan, the steps' tokens delivered (`_take_steps`, several steps at a time: see
+        `_decode_chain`) while later steps compute.
 
         Handing every step back to this loop and waiting for it to submit the next one cost ~0.6 ms of a ~4 ms
         batch-1 step on the 2-core test VM (the wake-up of the event loop, this loop's turn, then the forward
-        thread waiting for the GIL while the consumers sent tokens). A job that ends here while the next step
-        runs (a stop string, repetition, a client gone) has that step's token dropped by `_deliver`: not in
-        its slot's history, so the position it wrote counts for nothing."""
+        thread waiting for the GIL while the consumers sent tokens). A job that ends here while later steps ran
+        (a stop string, repetition, a client gone: seen up to a stream interval and a step late) has their
+        tokens dropped by `_deliver`: not in its slot's history, so the positions they wrote count for
+        nothing."""
         made = [len(a.generated) for a in owners]
         stream = self.forward_thread.stream(self._decode_chain, rows, owners, made, on_value=self._take_steps)
         try:
