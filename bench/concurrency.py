@@ -150,11 +150,10 @@ def main() -> None:
                 # compares neighbouring seconds: with the in-process levels all run before the HTTP ones, the
                 # single-stream pair was a minute apart and its ratio went from 0.77 to 1.19 between rounds
                 # of one tree (2026-12-01, Zen 5 VM; adjacent pairs of the same tree: 0.92-0.98).
-                if r % 2:
-                    by_level[n].append(run_level(server, n, args.tokens, bias, args.temperature))
-                inproc[n].append(decoder.run(prompts[:n], args.tokens))
-                if not r % 2:
-                    by_level[n].append(run_level(server, n, args.tokens, bias, args.temperature))
+                pair = [lambda: by_level[n].append(run_level(server, n, args.tokens, bias, args.temperature)),
+                        lambda: inproc[n].append(decoder.run(prompts[:n], args.tokens))]
+                for run in pair[::-1] if r % 2 == 0 else pair:
+                    run()
                 if reference is not None:
                     llama[n].append(reference.run(prompts[:n], args.tokens))
         rows = []

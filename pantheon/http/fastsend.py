@@ -90,15 +90,12 @@ class BodyWriter:
         write(2). Chunks left then are sent first by the next `await writer(...)` or `flush()`."""
         if not body:
             return  # an empty chunk would end the body
-        framed = b"%x\r\n%b\r\n" % (len(body), body)
-        if self._backlog:
-            self._backlog += framed  # behind what the socket did not take
-        else:
-            self._held += framed
+        self._held += b"%x\r\n%b\r\n" % (len(body), body)
 
     def send_held(self) -> None:
         """Write the chunks `write_now` queued, in one non-blocking write: what the socket does not take at once
-        waits for the next `await writer(...)` or `flush()`."""
+        waits for the next `await writer(...)` or `flush()`. Behind a backlog (write_now called past `ready()`)
+        they join it, in order."""
         if self._held:
             held, self._held = self._held, b""
             if self._backlog:

@@ -38,9 +38,9 @@ class GenerationJob:
     # The consumer's synchronous hand-off, tried before the events channel (event loop): on_token(sampled) is
     # True when it took the token there and then, False to have it sent as a TokenEvent.
     on_token: Any = None
-    # With on_token: on_flush() sends what the consumer took and still holds. The scheduler calls it once it
-    # has handed over every token of a wake-up (a decode run may bring several steps in one), before the
-    # event loop runs anything else.
+    # With on_token: on_flush() sends what the consumer took and still holds. The scheduler calls it for every
+    # job of a delivery once it has handed over all its tokens (a decode run may bring several steps in one
+    # wake-up), before the event loop runs anything else.
     on_flush: Any = None
 
     def cancel(self) -> None:

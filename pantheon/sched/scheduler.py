@@ -84,6 +84,15 @@ class Active:
         return self.prompt_done < len(self.job.prompt)
 
 
+def _flush(owners: list[Active]) -> None:
+    """After a delivery: each consumer that took tokens at once sends what it holds (`on_flush`; a consumer
+    holding nothing sends nothing)."""
+    for active in owners:
+        on_flush = active.job.on_flush
+        if on_flush is not None:
+            on_flush()
+
+
 def _caught_up(active: Active) -> bool:
     """Whether the consumer of `active` has read every event sent to it and waits for the next (or the turn is
     over, or nobody reads any more)."""
@@ -119,9 +128,7 @@ class Scheduler:
         self.served = served
         # A decode run hands its steps to the event loop at most this often (several steps in one wake-up):
         # see `_decode_chain`.
-        self.stream_interval_s = max(0.0, stream_interval_s)
-        # Jobs whose consumer took tokens at once (`on_token`) and holds their writes until `_flush_held`.
-        self._held: dict[int, GenerationJob] = {}
+        self.stream_interval_s = stream_interval_s
         # Every forward pass on one thread (see forward_thread.py); the model manager shares one per backend.
         self._owns_forward_thread = forward_thread is None
         self.forward_thread = forward_thread if forward_thread is not None else ForwardThread()
@@ -327,7 +334,7 @@ class Scheduler:
             self.steps_run += 1
             self._note_timing(rows, prefill, time.monotonic() - started)
             self._deliver(rows, owners, samples)
-            self._flush_held()
+            _flush(owners)
             if not self.rewindable:
                 await self._let_consumers_catch_up(owners)
 
@@ -372,13 +379,7 @@ class Scheduler:
             for step in steps:
                 self._take_step(step)
         finally:
-            self._flush_held()
-
-    def _flush_held(self) -> None:
-        """Each consumer that took tokens at once since the last call sends what it holds (`on_flush`)."""
-        held, self._held = self._held, {}
-        for job in held.values():
-            job.on_flush()
+            _flush(steps[0].owners)  # a later step's rows are some of the first's
 
     def _take_step(self, step: StepResult) -> None:
         if step.error is not None:  # a failed forward fails its jobs, never the scheduler
@@ -657,8 +658,6 @@ class Scheduler:
             controller.advance(token)
         on_token = active.job.on_token
         taken = on_token is not None and on_token(sampled)  # the consumer took it at once (completion.py)
-        if taken and active.job.on_flush is not None:
-            self._held[active.job.job_id] = active.job
         if not taken and not self._send(active.events, TokenEvent(sampled)):
             self._release(active)
             return
