@@ -494,6 +494,33 @@ def test_decode_batch_rejects_bad_input():
 # --- kernel properties ---------------------------------------------------------------------------------
 
 
+@numba.njit(cache=False)
+def _prefetch(cache, kvh, j0, j1):
+    ops._prefetch_rows(cache, kvh, j0, j1)
+
+
+@pytest.mark.parametrize("kv_dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("head_major", [False, True])
+def test_prefetch_rows_takes_any_run_of_rows_and_changes_nothing(kv_dtype, head_major):
+    """Decode attention prefetches the key and value rows it is about to read (attend_ir): over head-major pools
+    (adjacent rows, one run of lines) and C-ordered ones (a row apart), any run of rows within the cache, the
+    empty run included, compiles, runs and leaves the cache as it was."""
+    from pantheon.kernels.cpu.backend import CpuBackend
+
+    n_slots, ctx, n_kv, head_dim = 2, 40, 3, 64
+    rng = np.random.default_rng(5)
+    pool = CpuBackend.kv_pool(n_slots, ctx, n_kv, head_dim, kv_dtype) if head_major else np.empty(
+        (n_slots, ctx, n_kv, head_dim), dtype=kv_dtype)
+    pool[...] = rng.standard_normal(pool.shape).astype(kv_dtype)
+    before = pool.copy()
+    view = ops.kernel_view(pool)
+    for slot in range(n_slots):
+        for kvh in range(n_kv):
+            for j0, j1 in [(0, 0), (0, 1), (7, 7), (0, ctx), (ctx - 1, ctx), (3, 29)]:
+                _prefetch(view[slot], kvh, j0, j1)
+    np.testing.assert_array_equal(pool, before)
+
+
 def test_every_kernel_releases_the_gil():
     kernels = [value for value in vars(ops).values() if isinstance(value, numba.core.registry.CPUDispatcher)]
     assert len(kernels) >= 10

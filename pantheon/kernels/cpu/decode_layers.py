@@ -121,6 +121,7 @@ def _team_layers(n_threads, spin_limit, sync, claims, x, h, qtypes, rows, flips,
     attn_rows = attn.reshape(n_seqs, attn.shape[1] * attn.shape[2])
     for t in numba.prange(n_threads):
         r_lo, r_hi = team.span(n_seqs, t, n_threads)
+        scratch = ops._item_scratch(per_subgroup, attn.shape[2])  # this member's, for all its attention items
         # Every phase ends at a barrier; one that fails (the team given up) leaves the layers, and every later
         # barrier fails at once.
         for li in range(len(w_qkv)):
@@ -137,7 +138,7 @@ def _team_layers(n_threads, spin_limit, sync, claims, x, h, qtypes, rows, flips,
                     break
                 ops._attention_qkv_item(item, qkv, False, cos_table, sin_table, k_pool, v_pool, slots,
                                         positions, scale32, attn, first_item, per_subgroup, n_subgroups, part_max,
-                                        part_sum, part_acc)
+                                        part_sum, part_acc, scratch)
             if not team.barrier(sync, t, n_threads, spin_limit):
                 break
             if max_splits > 1:

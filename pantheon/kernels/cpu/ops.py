@@ -20,7 +20,8 @@ from numba.core import types
 from numba.extending import intrinsic
 
 from pantheon.kernels.cpu import HOST_CPU_FEATURES
-from pantheon.kernels.cpu.attend_ir import LANES, MAX_WIDTH, key_scores_intrinsic, value_accumulate_intrinsic
+from pantheon.kernels.cpu.attend_ir import (LANES, MAX_WIDTH, key_scores_intrinsic, prefetch_rows_intrinsic,
+                                            value_accumulate_intrinsic)
 from pantheon.kernels.cpu.llvm_ir import call
 
 # 'reassoc' lets LLVM vectorize sum and dot reductions; 'contract' allows FMAs. Neither assumes finite
@@ -612,6 +613,7 @@ def _attend_row(q, b, head, keys, values, kv_head, pos, scale, out, scores, acc,
 # One intrinsic per number of query heads handled together (1 .. MAX_WIDTH).
 _key_scores_1, _key_scores_2, _key_scores_3, _key_scores_4 = (key_scores_intrinsic(w) for w in range(1, 5))
 _values_1, _values_2, _values_3, _values_4 = (value_accumulate_intrinsic(w) for w in range(1, 5))
+_prefetch_rows = prefetch_rows_intrinsic()
 
 
 @_njit
@@ -647,8 +649,13 @@ def _attend_group(q_rows, keys, values, kvh, k_lo, k_hi, scale, row_max, row_sum
     max and sum and its rescaled accumulator, then the weighted values. Weights below MIN_WEIGHT become 0,
     which add nothing (`_attend_row` skips those rows)."""
     group = q_rows.shape[0]
+    # Ask for the memory a tile needs before its scores are computed (attend_ir.prefetch_rows_intrinsic):
+    # its values and the next tile's keys; the first tile's keys at once.
+    _prefetch_rows(keys, kvh, k_lo, min(k_hi, k_lo + KEY_TILE))
     for k0 in range(k_lo, k_hi, KEY_TILE):
         k1 = min(k_hi, k0 + KEY_TILE)
+        _prefetch_rows(values, kvh, k0, k1)
+        _prefetch_rows(keys, kvh, k1, min(k_hi, k1 + KEY_TILE))
         for h in range(0, group, MAX_WIDTH):
             width = min(MAX_WIDTH, group - h)
             for j0 in range(k0, k1, LANES):
@@ -740,15 +747,27 @@ def _decode_item(item, first_item, per_subgroup, n_subgroups, group, n_kv_heads,
 
 
 @_njit
-def _attend_item(q_rows, keys, values, kvh, k_lo, k_hi, scale32, b, h0, split, single_run, out,
-                 part_max, part_sum, part_acc):
-    """Attend query rows q_rows (already rounded to the cache's type) over keys k_lo .. k_hi - 1; a sequence's
-    single run writes its output rows at once, a split one leaves its softmax state for `_merge_splits`."""
-    n_heads, head_dim = q_rows.shape
-    row_max = np.full(n_heads, -np.inf, dtype=np.float32)
-    row_sum = np.zeros(n_heads, dtype=np.float32)
-    acc = np.zeros((n_heads, head_dim), dtype=np.float32)
-    scores = np.empty((n_heads, KEY_TILE), dtype=np.float32)
+def _item_scratch(max_heads, head_dim):
+    """The work arrays of a decode attention work item of up to max_heads query heads: (q_rows, row_max,
+    row_sum, acc, scores). Every item sets what it reads, so a thread allocates them once and reuses them
+    across its items (an allocation and its free per item cost more than some short items' arithmetic)."""
+    return (np.empty((max_heads, head_dim), dtype=np.float32), np.empty(max_heads, dtype=np.float32),
+            np.empty(max_heads, dtype=np.float32), np.empty((max_heads, head_dim), dtype=np.float32),
+            np.empty((max_heads, KEY_TILE), dtype=np.float32))
+
+
+@_njit
+def _attend_item(n_heads, keys, values, kvh, k_lo, k_hi, scale32, b, h0, split, single_run, out,
+                 part_max, part_sum, part_acc, scratch):
+    """Attend the first n_heads query rows of scratch's q_rows (already rounded to the cache's type) over keys
+    k_lo .. k_hi - 1; a sequence's single run writes its output rows at once, a split one leaves its softmax
+    state for `_merge_splits`."""
+    q_all, max_all, sum_all, acc_all, scores_all = scratch
+    q_rows, row_max, row_sum, acc, scores = (q_all[:n_heads], max_all[:n_heads], sum_all[:n_heads],
+                                             acc_all[:n_heads], scores_all[:n_heads])
+    row_max[:] = -np.inf
+    row_sum[:] = 0.0
+    acc[:, :] = 0.0
     _attend_group(q_rows, keys, values, kvh, k_lo, k_hi, scale32, row_max, row_sum, acc, scores)
     if single_run:
         # Only this item reads these heads' q, so out may be q.
@@ -814,12 +833,14 @@ def _attention_decode_kernel(q, k_all, v_all, slot_ids, positions, scale, out):
                                                               n_kv_heads, positions)
         keys = k_all[slot_ids[b]]
         values = v_all[slot_ids[b]]
-        q_rows = np.empty((n_heads, head_dim), dtype=np.float32)
+        scratch = _item_scratch(n_heads, head_dim)
+        q_rows = scratch[0]
         for i in range(n_heads):
             for c in range(head_dim):
                 q_rows[i, c] = _kv_to_f32(_f32_to_kv(q[b, h0 + i, c], keys))
-        _attend_item(q_rows, keys, values, kvh, k_lo, k_hi, scale32, b, h0, split,
-                     first_item[b + 1] - first_item[b] == n_kv_heads * n_subgroups, out, part_max, part_sum, part_acc)
+        _attend_item(n_heads, keys, values, kvh, k_lo, k_hi, scale32, b, h0, split,
+                     first_item[b + 1] - first_item[b] == n_kv_heads * n_subgroups, out, part_max, part_sum, part_acc,
+                     scratch)
     _merge_splits(positions, part_max, part_sum, part_acc, out)
 
 
@@ -838,14 +859,16 @@ def _attention_decode_qkv_kernel(qkv, neox, cos_table, sin_table, k_all, v_all, 
     scale32 = np.float32(scale)
     for item in prange(first_item[n_seqs]):
         _attention_qkv_item(item, qkv, neox, cos_table, sin_table, k_all, v_all, slot_ids, positions, scale32, out,
-                            first_item, per_subgroup, n_subgroups, part_max, part_sum, part_acc)
+                            first_item, per_subgroup, n_subgroups, part_max, part_sum, part_acc,
+                            _item_scratch(per_subgroup, head_dim))
     _merge_splits(positions, part_max, part_sum, part_acc, out)
 
 
 @_njit
 def _attention_qkv_item(item, qkv, neox, cos_table, sin_table, k_all, v_all, slot_ids, positions, scale32, out,
-                        first_item, per_subgroup, n_subgroups, part_max, part_sum, part_acc):
-    """Work item `item` of `_attention_decode_qkv_kernel` (see `_decode_layout`)."""
+                        first_item, per_subgroup, n_subgroups, part_max, part_sum, part_acc, scratch):
+    """Work item `item` of `_attention_decode_qkv_kernel` (see `_decode_layout`); scratch from
+    `_item_scratch(per_subgroup, head_dim)`."""
     n_q_heads, head_dim = out.shape[1], out.shape[2]
     n_kv_heads = k_all.shape[2]
     group = n_q_heads // n_kv_heads
@@ -860,13 +883,14 @@ def _attention_qkv_item(item, qkv, neox, cos_table, sin_table, k_all, v_all, slo
         v_row = values[pos, kvh]
         for c in range(head_dim):
             v_row[c] = _f32_to_kv(row[v_first + kvh * head_dim + c], values)
-    q_rows = np.empty((n_heads, head_dim), dtype=np.float32)
+    q_rows = scratch[0]
     for i in range(n_heads):
         _rotate_head(row, (h0 + i) * head_dim, neox, cos_table[b], sin_table[b], q_rows[i])
         for c in range(head_dim):
             q_rows[i, c] = _kv_to_f32(_f32_to_kv(q_rows[i, c], keys))
-    _attend_item(q_rows, keys, values, kvh, k_lo, k_hi, scale32, b, h0, split,
-                 first_item[b + 1] - first_item[b] == n_kv_heads * n_subgroups, out, part_max, part_sum, part_acc)
+    _attend_item(n_heads, keys, values, kvh, k_lo, k_hi, scale32, b, h0, split,
+                 first_item[b + 1] - first_item[b] == n_kv_heads * n_subgroups, out, part_max, part_sum, part_acc,
+                 scratch)
 
 
 @_njit_parallel
