@@ -495,6 +495,37 @@ def test_decode_batch_rejects_bad_input():
 
 
 @numba.njit(cache=False)
+def _tile_scores(q_rows, width, keys, kvh, j0, n, scale, scores, maxes):
+    ops._scores_for_heads(q_rows, 0, width, keys, kvh, j0, n, scale, scores, 0, maxes)
+
+
+@pytest.mark.parametrize("width", [1, 2, 3, 4])
+@pytest.mark.parametrize("kv_dtype", [np.float32, np.float16])
+def test_key_scores_raise_each_heads_max_to_its_largest_score_ignoring_nan(width, kv_dtype):
+    """The score intrinsic folds each head's running max in registers (attend_ir): the max of the scores it
+    stores for keys 0 .. n - 1, NaN scores left out, never lowered, for any n <= 16."""
+    rng = np.random.default_rng(width)
+    head_dim, n_kv = 64, 2
+    keys = rng.standard_normal((20, n_kv, head_dim)).astype(kv_dtype)
+    keys[5, 1, 3] = np.nan  # key 5 of kv head 1 scores NaN for every head
+    view = ops.kernel_view(keys[None])[0]
+    q_rows = rng.standard_normal((width, head_dim)).astype(np.float32)
+    for kvh in range(n_kv):
+        for j0, n in [(0, 16), (2, 5), (4, 1), (4, 2), (1, 16), (5, 1)]:
+            scores = np.zeros((width, 16), dtype=np.float32)
+            start = rng.standard_normal(width).astype(np.float32)
+            start[0] = np.float32(50.0)  # above every score: stays
+            maxes = start.copy()
+            _tile_scores(q_rows, width, view, kvh, j0, n, np.float32(0.125), scores, maxes)
+            for h in range(width):
+                valid = scores[h, :n][~np.isnan(scores[h, :n])]
+                expected = max(start[h], valid.max()) if valid.size else start[h]
+                assert maxes[h] == expected, (kvh, j0, n, h)
+            if kvh == 1 and j0 == 5 and n == 1:
+                assert np.isnan(scores[:, 0]).all()
+
+
+@numba.njit(cache=False)
 def _prefetch(cache, kvh, j0, j1):
     ops._prefetch_rows(cache, kvh, j0, j1)
 

@@ -10,7 +10,8 @@ on 16-lane float32 vectors instead:
 - `key_scores_intrinsic(width)`: the scaled dot products of `width` query rows with 16 consecutive key rows.
   Each key leaves one 16-lane partial sum per head; the 16 partials of a head are folded together pairwise
   (two shuffles and an add per pair, 15 pairs), which ends with key i's full sum in lane i. About 3
-  operations per key and head instead of ~11 for folding each key alone.
+  operations per key and head instead of ~11 for folding each key alone. It also raises each head's running
+  max over the 16 scores, folded in registers, which the softmax needs next.
 - `value_accumulate_intrinsic(width)`: acc[h] += w[h, i] * v[i] over a run of value rows, with the
   accumulators held in registers across the whole run (4 chunks of 16 lanes of every head at a time). The
   caller zeroes the negligible weights; 0 * v adds nothing to an accumulator (for finite v), which is what
@@ -113,21 +114,44 @@ def _fold(builder: ir.IRBuilder, x: ir.Value, y: ir.Value, level: int) -> ir.Val
                         builder.shuffle_vector(x, y, ir.Constant(mask, hi)))
 
 
-def key_scores_intrinsic(width: int) -> Any:
-    """An intrinsic (q_rows, h0, keys, kvh, j0, n, scale, scores, col): for query rows q_rows[h0 : h0 + width]
-    (float32 (G, hd)) and key rows keys[j0 + i, kvh] (a cache (ctx, Hkv, hd), any strides but a contiguous last
-    axis), i < n <= 16, stores
-    scale * dot into scores[h0 + h, col + i] (float32 (G, >= col + 16)). Lanes i >= n repeat key n - 1 and
-    are stored too: the caller leaves them unread."""
+def _larger(builder: ir.IRBuilder, a: ir.Value, b: ir.Value) -> ir.Value:
+    """b > a ? b : a (numba's max(a, b) on floats): a NaN b leaves a."""
+    return builder.select(builder.fcmp_ordered(">", b, a), b, a)
 
-    def key_scores(typingctx, q_rows, h0, keys, kvh, j0, n, scale, scores, col):
-        return types.void(q_rows, h0, keys, kvh, j0, n, scale, scores, col), codegen
+
+def _raise_max(builder: ir.IRBuilder, current: ir.Value, values: ir.Value) -> ir.Value:
+    """The scalar max(current, values[0], ..., values[15]) with numba's max, NaN values ignored; the lanes are
+    folded pairwise (every value not NaN, the order changes nothing)."""
+    values = builder.select(builder.fcmp_ordered("ord", values, values), values,
+                            ir.Constant(_vf, [float("-inf")] * LANES))
+    width = LANES // 2
+    while width:
+        mask = ir.Constant(ir.VectorType(_i32, LANES), [(i + width) % LANES for i in range(LANES)])
+        values = _larger(builder, values, builder.shuffle_vector(values, values, mask))
+        width //= 2
+    return _larger(builder, current, builder.extract_element(values, ir.Constant(_i32, 0)))
+
+
+def key_scores_intrinsic(width: int) -> Any:
+    """An intrinsic (q_rows, h0, keys, kvh, j0, n, scale, scores, col, maxes): for query rows
+    q_rows[h0 : h0 + width] (float32 (G, hd)) and key rows keys[j0 + i, kvh] (a cache (ctx, Hkv, hd), any strides
+    but a contiguous last axis), i < n <= 16, stores scale * dot into scores[h0 + h, col + i] (float32
+    (G, >= col + 16)), and raises maxes[h0 + h] (float32 (G,)) to the largest of those n scores. Lanes i >= n
+    repeat key n - 1 and are stored too: the caller leaves them unread.
+
+    The max ignores NaN scores, as `new = max(new, score)` over them does in numba (b > a ? b : a): it is
+    the same number in any order, folded here in registers (4 shuffles) instead of a serial scalar chain
+    over the stored scores, which took ~3 cycles a key and head."""
+
+    def key_scores(typingctx, q_rows, h0, keys, kvh, j0, n, scale, scores, col, maxes):
+        return types.void(q_rows, h0, keys, kvh, j0, n, scale, scores, col, maxes), codegen
 
     def codegen(context, builder, signature, args):
-        q_t, _, keys_t, _, _, _, _, scores_t, _ = signature.args
+        q_t, _, keys_t, _, _, _, _, scores_t, _, maxes_t = signature.args
         q = context.make_array(q_t)(context, builder, args[0])
         k = context.make_array(keys_t)(context, builder, args[2])
         s = context.make_array(scores_t)(context, builder, args[7])
+        m = context.make_array(maxes_t)(context, builder, args[9])
         h0, kvh, j0, n, scale, col = args[1], args[3], args[4], args[5], args[6], args[8]
         half = keys_t.dtype == types.uint16
         item = 2 if half else 4
@@ -170,8 +194,11 @@ def key_scores_intrinsic(width: int) -> Any:
             (total,) = pending[h].values()
             at = builder.add(builder.mul(builder.add(h0, ir.Constant(_i64, h)), s_stride),
                              builder.mul(col, ir.Constant(_i64, 4)))
-            builder.store(builder.fmul(total, scale_v),
-                          builder.bitcast(byte_ptr(builder, s.data, at), _vf.as_pointer()), align=4)
+            scaled = builder.fmul(total, scale_v)
+            builder.store(scaled, builder.bitcast(byte_ptr(builder, s.data, at), _vf.as_pointer()), align=4)
+            head_max = builder.bitcast(byte_ptr(builder, m.data, builder.mul(builder.add(h0, ir.Constant(
+                _i64, h)), builder.extract_value(m.strides, 0))), _f32.as_pointer())
+            builder.store(_raise_max(builder, builder.load(head_max), scaled), head_max)
         return context.get_dummy_value()
 
     key_scores.__name__ = key_scores.__qualname__ = f"attend_key_scores_{width}"

@@ -617,15 +617,15 @@ _prefetch_rows = prefetch_rows_intrinsic()
 
 
 @_njit
-def _scores_for_heads(q_rows, h, width, keys, kvh, j0, n, scale, scores, col):
+def _scores_for_heads(q_rows, h, width, keys, kvh, j0, n, scale, scores, col, maxes):
     if width == 4:
-        _key_scores_4(q_rows, h, keys, kvh, j0, n, scale, scores, col)
+        _key_scores_4(q_rows, h, keys, kvh, j0, n, scale, scores, col, maxes)
     elif width == 3:
-        _key_scores_3(q_rows, h, keys, kvh, j0, n, scale, scores, col)
+        _key_scores_3(q_rows, h, keys, kvh, j0, n, scale, scores, col, maxes)
     elif width == 2:
-        _key_scores_2(q_rows, h, keys, kvh, j0, n, scale, scores, col)
+        _key_scores_2(q_rows, h, keys, kvh, j0, n, scale, scores, col, maxes)
     else:
-        _key_scores_1(q_rows, h, keys, kvh, j0, n, scale, scores, col)
+        _key_scores_1(q_rows, h, keys, kvh, j0, n, scale, scores, col, maxes)
 
 
 @_njit
@@ -641,7 +641,7 @@ def _values_for_heads(acc, h, width, weights, values, kvh, j0, n):
 
 
 @_njit
-def _attend_group(q_rows, keys, values, kvh, k_lo, k_hi, scale, row_max, row_sum, acc, scores):
+def _attend_group(q_rows, keys, values, kvh, k_lo, k_hi, scale, row_max, row_sum, acc, scores, tile_max):
     """Online softmax of the query rows q_rows (G, hd) of kv head kvh over key rows k_lo .. k_hi - 1.
 
     The arithmetic of `_attend_row` for one row per head, except that a score's dot product is summed in
@@ -656,15 +656,15 @@ def _attend_group(q_rows, keys, values, kvh, k_lo, k_hi, scale, row_max, row_sum
         k1 = min(k_hi, k0 + KEY_TILE)
         _prefetch_rows(values, kvh, k0, k1)
         _prefetch_rows(keys, kvh, k1, min(k_hi, k1 + KEY_TILE))
+        tile_max[:] = -np.inf
         for h in range(0, group, MAX_WIDTH):
             width = min(MAX_WIDTH, group - h)
             for j0 in range(k0, k1, LANES):
-                _scores_for_heads(q_rows, h, width, keys, kvh, j0, min(LANES, k1 - j0), scale, scores, j0 - k0)
+                _scores_for_heads(q_rows, h, width, keys, kvh, j0, min(LANES, k1 - j0), scale, scores, j0 - k0,
+                                  tile_max)
         for h in range(group):
             old_max = row_max[h]
-            new_max = old_max
-            for j in range(k1 - k0):
-                new_max = max(new_max, scores[h, j])
+            new_max = max(old_max, tile_max[h])  # max(old_max, this tile's scores), NaN scores ignored
             correction = _exp_f32(old_max - new_max)
             total = row_sum[h] * correction
             if correction != 1.0:
@@ -749,11 +749,11 @@ def _decode_item(item, first_item, per_subgroup, n_subgroups, group, n_kv_heads,
 @_njit
 def _item_scratch(max_heads, head_dim):
     """The work arrays of a decode attention work item of up to max_heads query heads: (q_rows, row_max,
-    row_sum, acc, scores). Every item sets what it reads, so a thread allocates them once and reuses them
-    across its items (an allocation and its free per item cost more than some short items' arithmetic)."""
+    row_sum, acc, scores, tile_max). Every item sets what it reads, so a thread allocates them once and reuses
+    them across its items (an allocation and its free per item cost more than some short items' arithmetic)."""
     return (np.empty((max_heads, head_dim), dtype=np.float32), np.empty(max_heads, dtype=np.float32),
             np.empty(max_heads, dtype=np.float32), np.empty((max_heads, head_dim), dtype=np.float32),
-            np.empty((max_heads, KEY_TILE), dtype=np.float32))
+            np.empty((max_heads, KEY_TILE), dtype=np.float32), np.empty(max_heads, dtype=np.float32))
 
 
 @_njit
@@ -762,13 +762,13 @@ def _attend_item(n_heads, keys, values, kvh, k_lo, k_hi, scale32, b, h0, split, 
     """Attend the first n_heads query rows of scratch's q_rows (already rounded to the cache's type) over keys
     k_lo .. k_hi - 1; a sequence's single run writes its output rows at once, a split one leaves its softmax
     state for `_merge_splits`."""
-    q_all, max_all, sum_all, acc_all, scores_all = scratch
-    q_rows, row_max, row_sum, acc, scores = (q_all[:n_heads], max_all[:n_heads], sum_all[:n_heads],
-                                             acc_all[:n_heads], scores_all[:n_heads])
+    q_all, max_all, sum_all, acc_all, scores_all, tile_all = scratch
+    q_rows, row_max, row_sum, acc, scores, tile_max = (q_all[:n_heads], max_all[:n_heads], sum_all[:n_heads],
+                                                       acc_all[:n_heads], scores_all[:n_heads], tile_all[:n_heads])
     row_max[:] = -np.inf
     row_sum[:] = 0.0
     acc[:, :] = 0.0
-    _attend_group(q_rows, keys, values, kvh, k_lo, k_hi, scale32, row_max, row_sum, acc, scores)
+    _attend_group(q_rows, keys, values, kvh, k_lo, k_hi, scale32, row_max, row_sum, acc, scores, tile_max)
     if single_run:
         # Only this item reads these heads' q, so out may be q.
         _finish_rows(out, b, h0, n_heads, row_sum, acc)
