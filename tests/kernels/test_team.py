@@ -62,3 +62,34 @@ def test_racing_members_claim_every_piece_exactly_once() -> None:
         assert np.all(in_chunks == 1), "a piece of a chunked phase done twice or never"
         assert np.all(as_items == 1), "an item done twice or never"
         assert claims[1] >= total  # every member asked once more and got nothing
+
+
+@numba.extending.intrinsic
+def _meminfo_address(typingctx, array):  # type: ignore[no-untyped-def]
+    """The address of an array's owner (its meminfo), 0 for none."""
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        view = context.make_array(signature.args[0])(context, builder, args[0])
+        return builder.ptrtoint(view.meminfo, numba.core.cgutils.intp_t)
+
+    return numba.types.intp(array), codegen
+
+
+@numba.njit(cache=False)
+def _through_unowned(a):  # type: ignore[no-untyped-def]
+    view = team.unowned(a)
+    part = view[1:3]  # views of it have no owner either
+    part[0] = 5.0  # row 1
+    return (_meminfo_address(a), _meminfo_address(view), _meminfo_address(part), view.ctypes.data == a.ctypes.data,
+            view.shape == a.shape, view.strides == a.strides, view.sum())
+
+
+def test_unowned_views_share_the_memory_without_an_owner() -> None:
+    """The team passes its shared arrays down as views without an owner, so that reference counting does
+    nothing on them; they must read and write the same memory, with the same shape and strides."""
+    a = np.arange(12.0).reshape(4, 3)[:, ::2]  # strided
+    owner, view_owner, part_owner, same_data, same_shape, same_strides, total = _through_unowned(a)
+    assert owner != 0 and view_owner == 0 and part_owner == 0
+    assert same_data and same_shape and same_strides
+    assert (a[1] == 5.0).all() and a[2, 0] == 6.0
+    assert total == a.sum()

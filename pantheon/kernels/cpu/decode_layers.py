@@ -110,69 +110,89 @@ def _team_layers(n_threads, spin_limit, sync, claims, x, h, qtypes, rows, flips,
                  ffn_norms, next_norms, eps, k_pools, v_pools, slots, positions, cos_table, sin_table, scale,
                  first_item, per_subgroup, n_subgroups, max_splits, part_max, part_sum, part_acc, qkv, attn, o, gate_up,
                  ff, d, q_d, q_a, q_f, out_qtype, out_packed, out_flip, logits):
-    """`_layers` and the output matmul in one parallel region: iteration t of the prange is member t of the team,
-    each phase does its share (`team.span`, or what it claims: `_gemm_claimed`, the attention items) and a
-    barrier separates phases that read what another wrote. Every value is computed by the same function, with
-    the same arguments, whatever n_threads and whoever computes it: the same bits.
-    q_d / q_a / q_f: (xq, xd, xs) buffers for inputs of width D, n_q_heads * head_dim, and the FFN width."""
+    """`_layers` and the output matmul in one parallel region: iteration t of the prange is member t of the team
+    (`_team_member`). Every value is computed by the same function, with the same arguments, whatever
+    n_threads and whoever computes it: the same bits.
+    q_d / q_a / q_f: (xq, xd, xs) buffers for inputs of width D, n_q_heads * head_dim, and the FFN width.
+
+    Each member gets the shared arrays as views without an owner (`team.unowned`: no reference counting on
+    the words both threads would write, per call below)."""
+    u = team.unowned
+    for t in numba.prange(n_threads):
+        _team_member(t, n_threads, spin_limit, u(sync), u(claims), u(x), u(h), u(qtypes), u(rows), u(flips), w_qkv,
+                     w_out, w_gate_up, w_down, u(ffn_norms), u(next_norms), eps, k_pools, v_pools, u(slots),
+                     u(positions), u(cos_table), u(sin_table), scale, u(first_item), per_subgroup, n_subgroups,
+                     max_splits, u(part_max), u(part_sum), u(part_acc), u(qkv), u(attn), u(o), u(gate_up), u(ff),
+                     u(d), (u(q_d[0]), u(q_d[1]), u(q_d[2])), (u(q_a[0]), u(q_a[1]), u(q_a[2])),
+                     (u(q_f[0]), u(q_f[1]), u(q_f[2])), out_qtype, u(out_packed), out_flip, u(logits))
+
+
+@numba.njit(cache=True, nogil=True, error_model="numpy")
+def _team_member(t, n_threads, spin_limit, sync, claims, x, h, qtypes, rows, flips, w_qkv, w_out, w_gate_up, w_down,
+                 ffn_norms, next_norms, eps, k_pools, v_pools, slots, positions, cos_table, sin_table, scale,
+                 first_item, per_subgroup, n_subgroups, max_splits, part_max, part_sum, part_acc, qkv, attn, o, gate_up,
+                 ff, d, q_d, q_a, q_f, out_qtype, out_packed, out_flip, logits):
+    """Member t's part of `_team_layers`: each phase does its share (`team.span`, or what it claims:
+    `_gemm_claimed`, the attention items) and a barrier separates phases that read what another wrote."""
     n_seqs = x.shape[0]
     n_items = first_item[n_seqs]
     scale32 = np.float32(scale)
     attn_rows = attn.reshape(n_seqs, attn.shape[1] * attn.shape[2])
-    for t in numba.prange(n_threads):
-        r_lo, r_hi = team.span(n_seqs, t, n_threads)
-        scratch = ops._item_scratch(per_subgroup, attn.shape[2])  # this member's, for all its attention items
-        # Every phase ends at a barrier; one that fails (the team given up) leaves the layers, and every later
-        # barrier fails at once.
-        for li in range(len(w_qkv)):
-            phase = _PHASES * li
-            if not _matmul_phases(h, q_d, flips[li, QKV], qtypes[li, QKV], w_qkv[li], qkv, claims, phase, sync, t,
-                                  n_threads, spin_limit):
+    r_lo, r_hi = team.span(n_seqs, t, n_threads)
+    scratch = ops._item_scratch(per_subgroup, attn.shape[2])  # this member's, for all its attention items
+    # Every phase ends at a barrier; one that fails (the team given up) leaves the layers, and every later
+    # barrier fails at once.
+    u = team.unowned
+    for li in range(len(w_qkv)):
+        phase = _PHASES * li
+        # Taken from the lists once a layer, as views without an owner: each list access increments and
+        # decrements the array's reference count, an atomic on a word both threads share.
+        k_pool, v_pool = u(k_pools[li]), u(v_pools[li])
+        w_layer = (u(w_qkv[li]), u(w_out[li]), u(w_gate_up[li]), u(w_down[li]))
+        if not _matmul_phases(h, q_d, flips[li, QKV], qtypes[li, QKV], w_layer[QKV], qkv, claims, phase, sync, t,
+                              n_threads, spin_limit):
+            break
+        while True:  # items differ in length (each sequence its own context): claimed one by one
+            item = team.claim(claims, phase + 1)
+            if item >= n_items:
                 break
-            # Taken from the lists once a layer: each list access increments and decrements the array's reference
-            # count, an atomic on a word both threads share.
-            k_pool, v_pool = k_pools[li], v_pools[li]
-            while True:  # items differ in length (each sequence its own context): claimed one by one
-                item = team.claim(claims, phase + 1)
-                if item >= n_items:
-                    break
-                ops._attention_qkv_item(item, qkv, False, cos_table, sin_table, k_pool, v_pool, slots,
-                                        positions, scale32, attn, first_item, per_subgroup, n_subgroups, part_max,
-                                        part_sum, part_acc, scratch)
+            ops._attention_qkv_item(item, qkv, False, cos_table, sin_table, k_pool, v_pool, slots,
+                                    positions, scale32, attn, first_item, per_subgroup, n_subgroups, part_max,
+                                    part_sum, part_acc, scratch)
+        if not team.barrier(sync, t, n_threads, spin_limit):
+            break
+        if max_splits > 1:
+            ops._merge_split_rows(positions, part_max, part_sum, part_acc, attn, r_lo, r_hi)
             if not team.barrier(sync, t, n_threads, spin_limit):
                 break
-            if max_splits > 1:
-                ops._merge_split_rows(positions, part_max, part_sum, part_acc, attn, r_lo, r_hi)
-                if not team.barrier(sync, t, n_threads, spin_limit):
-                    break
-            if not _matmul_phases(attn_rows, q_a, flips[li, OUT], qtypes[li, OUT], w_out[li], o, claims, phase + 2,
-                                  sync, t, n_threads, spin_limit):
-                break
+        if not _matmul_phases(attn_rows, q_a, flips[li, OUT], qtypes[li, OUT], w_layer[OUT], o, claims, phase + 2,
+                              sync, t, n_threads, spin_limit):
+            break
+        for r in range(r_lo, r_hi):
+            ops._add_rmsnorm_row(x, o, ffn_norms[li], eps, h, r)
+        if not team.barrier(sync, t, n_threads, spin_limit):
+            break
+        if not _matmul_phases(h, q_d, flips[li, GATE_UP], qtypes[li, GATE_UP], w_layer[GATE_UP], gate_up, claims,
+                              phase + 3, sync, t, n_threads, spin_limit):
+            break
+        if n_seqs >= n_threads:
             for r in range(r_lo, r_hi):
-                ops._add_rmsnorm_row(x, o, ffn_norms[li], eps, h, r)
-            if not team.barrier(sync, t, n_threads, spin_limit):
-                break
-            if not _matmul_phases(h, q_d, flips[li, GATE_UP], qtypes[li, GATE_UP], w_gate_up[li], gate_up, claims,
-                                  phase + 3, sync, t, n_threads, spin_limit):
-                break
-            if n_seqs >= n_threads:
-                for r in range(r_lo, r_hi):
-                    ops._swiglu_stacked_row(gate_up, ff, r)
-            else:  # fewer rows than threads: each row's columns are shared out
-                c_lo, c_hi = team.span(ff.shape[1], t, n_threads)
-                for r in range(n_seqs):
-                    ops._swiglu_stacked_cols(gate_up, ff, r, c_lo, c_hi)
-            if not team.barrier(sync, t, n_threads, spin_limit):
-                break
-            if not _matmul_phases(ff, q_f, flips[li, DOWN], qtypes[li, DOWN], w_down[li], d, claims, phase + 4, sync,
-                                  t, n_threads, spin_limit):
-                break
-            for r in range(r_lo, r_hi):
-                ops._add_rmsnorm_row(x, d, next_norms[li], eps, h, r)
-            if not team.barrier(sync, t, n_threads, spin_limit):
-                break
-        _matmul_phases(h, q_d, out_flip, out_qtype, out_packed, logits, claims, _PHASES * len(w_qkv), sync, t,
-                       n_threads, spin_limit)
+                ops._swiglu_stacked_row(gate_up, ff, r)
+        else:  # fewer rows than threads: each row's columns are shared out
+            c_lo, c_hi = team.span(ff.shape[1], t, n_threads)
+            for r in range(n_seqs):
+                ops._swiglu_stacked_cols(gate_up, ff, r, c_lo, c_hi)
+        if not team.barrier(sync, t, n_threads, spin_limit):
+            break
+        if not _matmul_phases(ff, q_f, flips[li, DOWN], qtypes[li, DOWN], w_layer[DOWN], d, claims, phase + 4, sync,
+                              t, n_threads, spin_limit):
+            break
+        for r in range(r_lo, r_hi):
+            ops._add_rmsnorm_row(x, d, next_norms[li], eps, h, r)
+        if not team.barrier(sync, t, n_threads, spin_limit):
+            break
+    _matmul_phases(h, q_d, out_flip, out_qtype, out_packed, logits, claims, _PHASES * len(w_qkv), sync, t,
+                   n_threads, spin_limit)
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")

@@ -88,6 +88,28 @@ def _pause(typingctx):  # type: ignore[no-untyped-def]
     return types.void(), codegen
 
 
+@intrinsic
+def unowned(typingctx, array):  # type: ignore[no-untyped-def]
+    """The same array (data, shape, strides) without its owner: a view whose reference counting does nothing.
+
+    numba counts references to an array's owner (an atomic add on its meminfo) for every array argument at
+    the entry and exit of every compiled call, and for every view made of it. Inside a team the shared arrays
+    (the activations, the caches, the weights, the barrier's words) are passed down to a call per attention
+    item and per claimed chunk of a matmul by both threads, so both kept writing the same reference-count
+    words. A view without an owner turns those into a test of a null pointer. It must not outlive the array
+    it came from: the team makes them from its own arguments, alive until the region ends."""
+    if not isinstance(array, types.Array):
+        return None
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        view = context.make_array(signature.args[0])(context, builder, args[0])
+        view.meminfo = ir.Constant(view.meminfo.type, None)
+        view.parent = ir.Constant(view.parent.type, None)
+        return view._getvalue()
+
+    return array(array), codegen
+
+
 @numba.njit(cache=True, nogil=True)
 def new_sync(n_threads):  # type: ignore[no-untyped-def]
     return np.zeros(PASSED + n_threads, dtype=np.int64)
