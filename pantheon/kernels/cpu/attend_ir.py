@@ -286,8 +286,11 @@ def prefetch_rows_intrinsic() -> Any:
     current tile's scores. Measured on the 2-core Zen 5 VM (2 threads, batch 8, 128 tokens from prompts of
     41, 30 rounds in alternating processes of bench/batched.py's decoder), together with the per-thread
     scratch of `ops._item_scratch`: batch-8 decode 1086 -> 1222 tok/s at the 90th percentile of rounds,
-    medians 895 -> 935; the VM's speed varies +-15% between processes, so only many rounds tell. A lone
-    attention launch over caches just evicted moved within that noise (52-81 us a layer either way).
+    medians 895 -> 935; but later A/Bs of this with the other changes of the same stop (the tile max,
+    `team.unowned`) against the tree before them found no difference in medians (1109 vs 1115, 30 rounds a
+    tree; 1086 vs 1076, 60 rounds). The VM's speed varies +-15% between processes. Over C-ordered caches
+    (rows a head apart) a lone launch over caches just evicted took 54 us a layer instead of 102; over the
+    backend's head-major pools it moved within the noise (52-81 us either way).
     """
 
     def prefetch_rows(typingctx, cache, kvh, j0, j1):
