@@ -177,3 +177,48 @@ def test_the_other_kernels_give_the_same_bits(isa: str, qtype: int, cols: int) -
     np.testing.assert_array_equal(out, host)
     err = np.linalg.norm(out - reference.matmul_int8(qtype, w.data, x)) / np.linalg.norm(host)
     assert err < 2e-6, err
+
+
+def _inner_loops(asm: str) -> list[list[str]]:
+    """The instructions of each innermost loop in `asm` (from a label to a jump back to it, with no such loop
+    inside)."""
+    lines = [line.strip() for line in asm.splitlines()]
+    labels = {line[:-1]: i for i, line in enumerate(lines) if line.startswith(".LBB") and line.endswith(":")}
+    spans = []
+    for i, line in enumerate(lines):
+        parts = line.split()
+        if len(parts) == 2 and parts[0].startswith("j") and labels.get(parts[1], i) < i:
+            spans.append((labels[parts[1]], i))
+    inner = [(a, b) for a, b in spans if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in spans)]
+    return [[x for x in lines[a:b + 1] if x and not x.startswith((".", "#"))] for a, b in inner]
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=["Q4_1", "Q8_0"])
+def test_the_eight_row_block_loop_is_dot_instructions_in_registers(qtype: int) -> None:
+    """numba's assembly for the host's 8-row kernel: its loop over the blocks does the products with the ISA's
+    integer dot instruction (VNNI's vpdpbusd, 8 a row and block; AVX2's vpmaddubsw / vpmaddwd), and on AVX-512
+    VNNI it keeps its vectors in the 32 registers: no vector load or store of the stack (two chains of four dot
+    products a row spilled there, 14 accesses a block at 16 lanes)."""
+    import numba
+
+    # `_group_rows` as the matmuls call it (its 8-, 4- and 1-row kernels in one function), compiled here
+    # without the on-disk cache so that its assembly is at hand.
+    probe = numba.njit(int8dot._group_rows.py_func)
+    w = weight(qtype, 16, 96)
+    x = activations(8, 96)
+    xq, xd, xs = int8dot.quantize_rows(x, offset=int8dot._offset_q8_0(int8dot.INT8_ISA) and qtype == Q8_0)
+    out = np.zeros((8, 16), dtype=np.float32)
+    probe(int8dot.INT8_WIDE, qtype, w.int8_packed, 0, xq, xd, xs, out)
+    n = 16 if int8dot.INT8_WIDE else 8  # the outputs of group 0 (and 1 on the 16-lane kernels)
+    np.testing.assert_allclose(out[:, :n], quant.matmul(w, x, int8=True)[:, :n], rtol=1e-6, atol=1e-6)
+    asm = probe.inspect_asm(probe.signatures[0])
+    dot = "vpdpbusd" if int8dot.INT8_ISA == "vnni" else "vpmadd"  # AVX2: vpmaddubsw, vpmaddwd
+    loops = [loop for loop in _inner_loops(asm) if any(dot in ins for ins in loop)]
+    assert loops, f"no loop with {dot} in the kernels"
+    # The loop with the most dot instructions is the 8-row kernel's loop over the blocks.
+    inner = max(loops, key=lambda loop: sum(dot in ins for ins in loop))
+    most = sum(dot in ins for ins in inner)
+    if int8dot.INT8_ISA == "vnni":
+        assert most == 64, most
+        spills = [ins for ins in inner if ins.startswith("v") and "(%rsp)" in ins]  # vector registers only
+        assert not spills, f"the block loop spills vector registers to the stack: {spills}"
