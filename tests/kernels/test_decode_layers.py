@@ -185,3 +185,32 @@ def test_the_team_runs_with_openmp(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(dl, "_team_step", recorded)
     logits = model.forward(state, [BatchRow(int(slots[0]), np.array([3], np.int32), 5)])
     assert sizes == [2] and logits.shape == (1, model.vocab_size) and np.isfinite(logits).all()
+
+
+def test_kv_prefetch_for_the_next_layer_reads_into_l2_and_changes_nothing():
+    """The down matmul asks for the next layer's keys and values (`_gemm_prefetching_kv`): any run of (sequence,
+    kv head) pairs, the empty one included, positions below and past PREFETCH_KV_ROWS and at 0, leaves the
+    pools as they were; and the prefetch is prefetcht1 (into L2: L1 holds the matmul's own data), no
+    prefetcht0."""
+    import numba
+
+    from pantheon.kernels.cpu import decode_layers, ops
+
+    n_seqs, ctx, n_kv, head_dim = 3, 300, 2, 64
+    rng = np.random.default_rng(7)
+    pools = []
+    for _ in range(2):
+        pool = CpuBackend.kv_pool(4, ctx, n_kv, head_dim, np.float16)
+        pool[...] = rng.standard_normal(pool.shape).astype(np.float16)
+        pools.append(pool)
+    before = [pool.copy() for pool in pools]
+    slots = np.array([2, 0, 3], dtype=np.int32)
+    positions = np.array([0, 57, decode_layers.PREFETCH_KV_ROWS + 90], dtype=np.int32)
+    probe = numba.njit(decode_layers._prefetch_kv_pairs.py_func)  # uncached: its assembly is at hand
+    views = [ops.kernel_view(pool) for pool in pools]
+    for first, end in [(0, 0), (0, n_seqs * n_kv), (1, 4), (5, 6)]:
+        probe(views[0], views[1], slots, positions, first, end)
+    for pool, old in zip(pools, before):
+        np.testing.assert_array_equal(pool, old)
+    asm = probe.inspect_asm(probe.signatures[0])
+    assert "prefetcht1" in asm and "prefetcht0" not in asm

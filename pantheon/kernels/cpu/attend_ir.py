@@ -275,10 +275,12 @@ def value_accumulate_intrinsic(width: int) -> Any:
     return intrinsic(value_accumulate)
 
 
-def prefetch_rows_intrinsic() -> Any:
-    """An intrinsic (cache, kvh, j0, j1): a software prefetch (into L1) of every cache line of the rows
-    cache[j, kvh] for j0 <= j < j1, a cache (ctx, Hkv, hd) with any strides but a contiguous last axis. An
-    empty range prefetches nothing. It changes no value: an x86 prefetch never faults or writes.
+def prefetch_rows_intrinsic(locality: int = 3) -> Any:
+    """An intrinsic (cache, kvh, j0, j1): a software prefetch of every cache line of the rows cache[j, kvh] for
+    j0 <= j < j1, a cache (ctx, Hkv, hd) with any strides but a contiguous last axis. An empty range prefetches
+    nothing. It changes no value: an x86 prefetch never faults or writes. `locality` is llvm.prefetch's: 3
+    (prefetcht0) into every level down to L1, for what is read next; 2 (prefetcht1) into L2, for what is read
+    after other work that L1 holds (`decode_layers._gemm_prefetching_kv`).
 
     Why: inside a decode step a sequence's keys and values come from memory (the step's weights evicted
     them), in runs of 4 KB pages that the hardware prefetchers do not cross, and each item's first loads
@@ -304,8 +306,8 @@ def prefetch_rows_intrinsic() -> Any:
         row_bytes = builder.mul(builder.extract_value(c.shape, 2), ir.Constant(_i64, item))
         first = builder.add(builder.mul(j0, row_stride), builder.mul(kvh, builder.extract_value(c.strides, 1)))
         n_rows = builder.sub(j1, j0)
-        # llvm.prefetch(address, rw=0 read, locality=3 keep in all levels, cache type=1 data)
-        flags = [ir.Constant(_i32, 0), ir.Constant(_i32, 3), ir.Constant(_i32, 1)]
+        # llvm.prefetch(address, rw=0 read, locality, cache type=1 data)
+        flags = [ir.Constant(_i32, 0), ir.Constant(_i32, locality), ir.Constant(_i32, 1)]
 
         def lines(start, count):
             def line(m, _):
@@ -330,4 +332,5 @@ def prefetch_rows_intrinsic() -> Any:
                 _counted_loop(builder, n_rows, [], row, may_be_empty=True)
         return context.get_dummy_value()
 
+    prefetch_rows.__name__ = prefetch_rows.__qualname__ = f"attend_prefetch_rows_{locality}"
     return intrinsic(prefetch_rows)

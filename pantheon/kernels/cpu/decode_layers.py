@@ -13,7 +13,13 @@ items, the quantization's blocks, the norms' rows) and meeting at a barrier wher
 wrote. That saves the ~150 launches of a launch-per-kernel step (~1.1 us each warm) and splits the work that
 ran on one thread between them: on the 2-core test VM 7-10% faster at 1 and at 8 sequences. Every value is
 computed by the same compiled function whatever the team's size, so a team of one (one thread, or the
-recovery from a team given up) gives the same bits.
+recovery from a team given up) gives the same bits. During each layer's down matmul the team also asks for
+the next layer's keys and values (`_gemm_prefetching_kv`), which the weights' stream has evicted by then:
+`bench/batch_ab.py` against the step without it, 2026-12-02 on the 2-core Zen 5 VM (36 and 48 rounds a
+tree): batch-8 medians 968 -> 1025 and 1084 -> 1126 tok/s, batch 1 unchanged within noise (248 / 245, 261 /
+252). (A first version, every row asked for at once before the down matmul, put batch-8 attention at
+1.77-1.84 ms a step against 2.20-2.34 without, in a phase profile of the team step, the down matmul ~0.1 ms
+longer.)
 
 Only the shape of model that the int8 path serves whole takes it: every layer's q|k|v and gate|up stacked,
 all four matrices Q4_1 or Q8_0 (`int8dot.INT8_TYPES`) on a CPU with the int8 kernels, a head dim that is a
@@ -32,7 +38,7 @@ import numba
 import numpy as np
 from numba.typed import List
 
-from pantheon.kernels.cpu import int8dot, ops, quant, team
+from pantheon.kernels.cpu import attend_ir, int8dot, ops, quant, team
 
 log = logging.getLogger("pantheon.kernels")
 
@@ -91,6 +97,55 @@ def _gemm_claimed(qtype, packed, xq, xd, xs, out, claims, phase, n_threads):
         if lo >= hi:
             return
         int8dot._gemm_groups(qtype, packed, xq, xd, xs, out, 2 * lo, min(n_groups, 2 * hi))
+
+
+# Keys (and as many values) per sequence and kv head that `_gemm_prefetching_kv` asks for: 128 rows of SmolLM2's
+# float16 kv heads are 16 KB each, 24 (sequence, kv head) pairs at batch 8 ~390 KB a core, well inside its L2
+# beside the down matrix's stream; longer contexts get their first rows ahead and the rest from the
+# attention's own prefetches (`ops._attend_group`).
+PREFETCH_KV_ROWS = 128
+_prefetch_rows_l2 = attend_ir.prefetch_rows_intrinsic(locality=2)
+
+
+@numba.njit(cache=True, nogil=True, error_model="numpy")
+def _prefetch_kv_pairs(k_pool, v_pool, slots, positions, first, end):
+    """Prefetch into L2 the first PREFETCH_KV_ROWS keys and values that a decode attention reads for the
+    (sequence, kv head) pairs first .. end - 1 (pair = sequence * n_kv_heads + kv head)."""
+    n_kv_heads = k_pool.shape[2]
+    for pair in range(first, end):
+        b = pair // n_kv_heads
+        kvh = np.int64(pair % n_kv_heads)
+        rows = np.int64(min(positions[b], PREFETCH_KV_ROWS))
+        _prefetch_rows_l2(k_pool[slots[b]], kvh, np.int64(0), rows)
+        _prefetch_rows_l2(v_pool[slots[b]], kvh, np.int64(0), rows)
+
+
+@numba.njit(cache=True, nogil=True, error_model="numpy")
+def _gemm_prefetching_kv(qtype, packed, xq, xd, xs, out, claims, phase, n_threads, t, k_pool, v_pool, slots,
+                         positions):
+    """`_gemm_claimed`, and between its chunks member t's share of the next layer's keys and values asked for
+    into L2 (`_prefetch_kv_pairs`), spread in step with the matmul's progress.
+
+    Why: the weights stream through every cache level during a step and evict the caches' keys and values, so
+    decode attention waited on memory for them (a lone launch at batch 8, context ~110, 2 threads: 40 us a
+    layer with its data in cache, 82 us with it evicted). The down matmul is the phase before the next
+    layer's attention that leaves the memory bus the most room at batch 8, where its arithmetic, not its
+    weights, bounds it."""
+    n_groups = packed.shape[0]
+    min_chunk = max(2, 16 // xq.shape[0])
+    n_pairs = (n_groups + 1) // 2
+    kv_lo, kv_hi = team.span(slots.shape[0] * k_pool.shape[2], t, n_threads)
+    done = kv_lo
+    while True:
+        lo, hi = team.claim_chunk(claims, phase, n_pairs, n_threads, (min_chunk + 1) // 2)
+        if lo >= hi:
+            break
+        # Up to the same fraction of this member's pairs as of the matmul claimed so far.
+        target = kv_lo + (kv_hi - kv_lo) * hi // n_pairs
+        _prefetch_kv_pairs(k_pool, v_pool, slots, positions, done, target)
+        done = max(done, target)
+        int8dot._gemm_groups(qtype, packed, xq, xd, xs, out, 2 * lo, min(n_groups, 2 * hi))
+    _prefetch_kv_pairs(k_pool, v_pool, slots, positions, done, kv_hi)
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
@@ -184,8 +239,16 @@ def _team_member(t, n_threads, spin_limit, sync, claims, x, h, qtypes, rows, fli
                 ops._swiglu_stacked_cols(gate_up, ff, r, c_lo, c_hi)
         if not team.barrier(sync, t, n_threads, spin_limit):
             break
-        if not _matmul_phases(ff, q_f, flips[li, DOWN], qtypes[li, DOWN], w_layer[DOWN], d, claims, phase + 4, sync,
-                              t, n_threads, spin_limit):
+        if li + 1 < len(w_qkv):  # the down matmul, asking for the next layer's keys and values as it goes
+            _quantize_span(ff, q_f[0], q_f[1], q_f[2], flips[li, DOWN], t, n_threads)
+            if not team.barrier(sync, t, n_threads, spin_limit):
+                break
+            _gemm_prefetching_kv(qtypes[li, DOWN], w_layer[DOWN], q_f[0], q_f[1], q_f[2], d, claims, phase + 4,
+                                 n_threads, t, u(k_pools[li + 1]), u(v_pools[li + 1]), slots, positions)
+            if not team.barrier(sync, t, n_threads, spin_limit):
+                break
+        elif not _matmul_phases(ff, q_f, flips[li, DOWN], qtypes[li, DOWN], w_layer[DOWN], d, claims, phase + 4,
+                                sync, t, n_threads, spin_limit):
             break
         for r in range(r_lo, r_hi):
             ops._add_rmsnorm_row(x, d, next_norms[li], eps, h, r)
