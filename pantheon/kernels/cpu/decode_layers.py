@@ -17,9 +17,9 @@ recovery from a team given up) gives the same bits. During each layer's down mat
 the next layer's keys and values (`_gemm_prefetching_kv`), which the weights' stream has evicted by then:
 `bench/batch_ab.py` against the step without it, 2026-12-02 on the 2-core Zen 5 VM (36 and 48 rounds a
 tree): batch-8 medians 968 -> 1025 and 1084 -> 1126 tok/s, batch 1 unchanged within noise (248 / 245, 261 /
-252). (A first version, every row asked for at once before the down matmul, put batch-8 attention at
-1.77-1.84 ms a step against 2.20-2.34 without, in a phase profile of the team step, the down matmul ~0.1 ms
-longer.)
+252). (A first version, every row asked for at once before the down matmul, in a phase profile of the team
+step, three processes each: batch-8 attention 2.28, 1.84 and 1.77 ms a step against 2.20, 2.34 and 2.23
+without, the down matmul 0.1-0.35 ms longer.)
 
 Only the shape of model that the int8 path serves whole takes it: every layer's q|k|v and gate|up stacked,
 all four matrices Q4_1 or Q8_0 (`int8dot.INT8_TYPES`) on a CPU with the int8 kernels, a head dim that is a
