@@ -188,7 +188,7 @@ def test_the_team_runs_with_openmp(tmp_path, monkeypatch) -> None:
 
 
 def test_kv_prefetch_for_the_next_layer_reads_into_l2_and_changes_nothing():
-    """The down matmul asks for the next layer's keys and values (`_gemm_prefetching_kv`): any run of (sequence,
+    """The down matmul asks for the next layer's keys and values (`_gemm_claimed`): any run of (sequence,
     kv head) pairs, the empty one included, positions below and past PREFETCH_KV_ROWS and at 0, leaves the
     pools as they were; and the prefetch is prefetcht1 (into L2: L1 holds the matmul's own data), no
     prefetcht0."""

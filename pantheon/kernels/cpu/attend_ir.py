@@ -280,7 +280,7 @@ def prefetch_rows_intrinsic(locality: int = 3) -> Any:
     j0 <= j < j1, a cache (ctx, Hkv, hd) with any strides but a contiguous last axis. An empty range prefetches
     nothing. It changes no value: an x86 prefetch never faults or writes. `locality` is llvm.prefetch's: 3
     (prefetcht0) into every level down to L1, for what is read next; 2 (prefetcht1) into L2, for what is read
-    after other work that L1 holds (`decode_layers._gemm_prefetching_kv`).
+    after other work that L1 holds (`decode_layers._gemm_claimed`).
 
     Why: inside a decode step a sequence's keys and values come from memory (the step's weights evicted
     them), in runs of 4 KB pages that the hardware prefetchers do not cross, and each item's first loads

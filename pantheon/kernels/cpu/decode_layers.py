@@ -14,7 +14,7 @@ wrote. That saves the ~150 launches of a launch-per-kernel step (~1.1 us each wa
 ran on one thread between them: on the 2-core test VM 7-10% faster at 1 and at 8 sequences. Every value is
 computed by the same compiled function whatever the team's size, so a team of one (one thread, or the
 recovery from a team given up) gives the same bits. During each layer's down matmul the team also asks for
-the next layer's keys and values (`_gemm_prefetching_kv`), which the weights' stream has evicted by then:
+the next layer's keys and values (`_gemm_claimed`), which the weights' stream has evicted by then:
 `bench/batch_ab.py` against the step without it, 2026-12-02 on the 2-core Zen 5 VM (36 and 48 rounds a
 tree): batch-8 medians 968 -> 1025 and 1084 -> 1126 tok/s, batch 1 unchanged within noise (248 / 245, 261 /
 252). (A first version, every row asked for at once before the down matmul, in a phase profile of the team
@@ -84,22 +84,7 @@ def _quantize_span(x, xq, xd, xs, flip, part, parts):
         int8dot._quantize_block(x, xq, xd, xs, i // n_blocks, i % n_blocks, flip)
 
 
-@numba.njit(cache=True, nogil=True, error_model="numpy")
-def _gemm_claimed(qtype, packed, xq, xd, xs, out, claims, phase, n_threads):
-    """This member's part of a matmul the team shares out by claiming chunks of weight groups (`team.claim_chunk`).
-    An output's bits do not depend on who computes it. The smallest chunk is about a microsecond of work."""
-    n_groups = packed.shape[0]
-    min_chunk = max(2, 16 // xq.shape[0])
-    # Claimed in pairs of groups: the wide kernels take two a call (int8dot.INT8_WIDE).
-    n_pairs = (n_groups + 1) // 2
-    while True:
-        lo, hi = team.claim_chunk(claims, phase, n_pairs, n_threads, (min_chunk + 1) // 2)
-        if lo >= hi:
-            return
-        int8dot._gemm_groups(qtype, packed, xq, xd, xs, out, 2 * lo, min(n_groups, 2 * hi))
-
-
-# Keys (and as many values) per sequence and kv head that `_gemm_prefetching_kv` asks for: 128 rows of SmolLM2's
+# Keys (and as many values) per sequence and kv head that the down matmul asks for: 128 rows of SmolLM2's
 # float16 kv heads are 16 KB each, 24 (sequence, kv head) pairs at batch 8 ~390 KB a core, well inside its L2
 # beside the down matrix's stream; longer contexts get their first rows ahead and the rest from the
 # attention's own prefetches (`ops._attend_group`).
@@ -121,42 +106,45 @@ def _prefetch_kv_pairs(k_pool, v_pool, slots, positions, first, end):
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
-def _gemm_prefetching_kv(qtype, packed, xq, xd, xs, out, claims, phase, n_threads, t, k_pool, v_pool, slots,
-                         positions):
-    """`_gemm_claimed`, and between its chunks member t's share of the next layer's keys and values asked for
-    into L2 (`_prefetch_kv_pairs`), spread in step with the matmul's progress.
+def _gemm_claimed(qtype, packed, xq, xd, xs, out, claims, phase, n_threads, kv):
+    """This member's part of a matmul the team shares out by claiming chunks of weight groups (`team.claim_chunk`).
+    An output's bits do not depend on who computes it. The smallest chunk is about a microsecond of work.
 
-    Why: the weights stream through every cache level during a step and evict the caches' keys and values, so
-    decode attention waited on memory for them (a lone launch at batch 8, context ~110, 2 threads: 40 us a
-    layer with its data in cache, 82 us with it evicted). The down matmul is the phase before the next
-    layer's attention that leaves the memory bus the most room at batch 8, where its arithmetic, not its
-    weights, bounds it."""
+    kv = (k_pool, v_pool, slots, positions, first, end): between its chunks the member also asks for the keys
+    and values of (sequence, kv head) pairs first .. end - 1 (`_prefetch_kv_pairs`), in step with the matmul's
+    progress; an empty run asks for nothing. The layers' down matmul passes the member's share of the next
+    layer's: the weights stream through every cache level during a step and evict the caches' keys and values,
+    so decode attention waited on memory for them (a lone launch at batch 8, context ~110, 2 threads: 40 us a
+    layer with its data in cache, 82 us with it evicted), and at batch 8 the down matmul is bound by its
+    arithmetic, not its weights, which leaves the memory bus room."""
+    k_pool, v_pool, slots, positions, kv_first, kv_end = kv
     n_groups = packed.shape[0]
     min_chunk = max(2, 16 // xq.shape[0])
+    # Claimed in pairs of groups: the wide kernels take two a call (int8dot.INT8_WIDE).
     n_pairs = (n_groups + 1) // 2
-    kv_lo, kv_hi = team.span(slots.shape[0] * k_pool.shape[2], t, n_threads)
-    done = kv_lo
+    asked = kv_first
     while True:
         lo, hi = team.claim_chunk(claims, phase, n_pairs, n_threads, (min_chunk + 1) // 2)
         if lo >= hi:
             break
-        # Up to the same fraction of this member's pairs as of the matmul claimed so far.
-        target = kv_lo + (kv_hi - kv_lo) * hi // n_pairs
-        _prefetch_kv_pairs(k_pool, v_pool, slots, positions, done, target)
-        done = max(done, target)
+        # Up to the same fraction of the pairs as of the matmul claimed so far.
+        upto = kv_first + (kv_end - kv_first) * hi // n_pairs
+        _prefetch_kv_pairs(k_pool, v_pool, slots, positions, asked, upto)
+        asked = max(asked, upto)
         int8dot._gemm_groups(qtype, packed, xq, xd, xs, out, 2 * lo, min(n_groups, 2 * hi))
-    _prefetch_kv_pairs(k_pool, v_pool, slots, positions, done, kv_hi)
+    _prefetch_kv_pairs(k_pool, v_pool, slots, positions, asked, kv_end)
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
-def _matmul_phases(x, q, flip, qtype, packed, out, claims, phase, sync, t, n_threads, spin_limit):
+def _matmul_phases(x, q, flip, qtype, packed, out, claims, phase, sync, t, n_threads, spin_limit, kv):
     """A team's matmul of x's rows, as two phases: this member quantizes its share of x into q (xq, xd, xs) and
-    meets the others, then claims chunks of the weight groups and meets them again (out is whole after it).
-    False when the team was given up at a barrier: leave the region then."""
+    meets the others, then claims chunks of the weight groups and meets them again (out is whole after it),
+    asking for kv's keys and values between chunks (`_gemm_claimed`). False when the team was given up at a
+    barrier: leave the region then."""
     _quantize_span(x, q[0], q[1], q[2], flip, t, n_threads)
     if not team.barrier(sync, t, n_threads, spin_limit):
         return False
-    _gemm_claimed(qtype, packed, q[0], q[1], q[2], out, claims, phase, n_threads)
+    _gemm_claimed(qtype, packed, q[0], q[1], q[2], out, claims, phase, n_threads, kv)
     return team.barrier(sync, t, n_threads, spin_limit)
 
 
@@ -198,6 +186,9 @@ def _team_member(t, n_threads, spin_limit, sync, claims, x, h, qtypes, rows, fli
     # Every phase ends at a barrier; one that fails (the team given up) leaves the layers, and every later
     # barrier fails at once.
     u = team.unowned
+    # This member's (sequence, kv head) pairs for the down matmuls' prefetch, and the empty run for the others.
+    kv_lo, kv_hi = team.span(n_seqs * k_pools[0].shape[2], t, n_threads)
+    no_kv = (u(k_pools[0]), u(v_pools[0]), slots, positions, kv_hi, kv_hi)
     for li in range(len(w_qkv)):
         phase = _PHASES * li
         # Taken from the lists once a layer, as views without an owner: each list access increments and
@@ -205,7 +196,7 @@ def _team_member(t, n_threads, spin_limit, sync, claims, x, h, qtypes, rows, fli
         k_pool, v_pool = u(k_pools[li]), u(v_pools[li])
         w_layer = (u(w_qkv[li]), u(w_out[li]), u(w_gate_up[li]), u(w_down[li]))
         if not _matmul_phases(h, q_d, flips[li, QKV], qtypes[li, QKV], w_layer[QKV], qkv, claims, phase, sync, t,
-                              n_threads, spin_limit):
+                              n_threads, spin_limit, no_kv):
             break
         while True:  # items differ in length (each sequence its own context): claimed one by one
             item = team.claim(claims, phase + 1)
@@ -221,14 +212,14 @@ def _team_member(t, n_threads, spin_limit, sync, claims, x, h, qtypes, rows, fli
             if not team.barrier(sync, t, n_threads, spin_limit):
                 break
         if not _matmul_phases(attn_rows, q_a, flips[li, OUT], qtypes[li, OUT], w_layer[OUT], o, claims, phase + 2,
-                              sync, t, n_threads, spin_limit):
+                              sync, t, n_threads, spin_limit, no_kv):
             break
         for r in range(r_lo, r_hi):
             ops._add_rmsnorm_row(x, o, ffn_norms[li], eps, h, r)
         if not team.barrier(sync, t, n_threads, spin_limit):
             break
         if not _matmul_phases(h, q_d, flips[li, GATE_UP], qtypes[li, GATE_UP], w_layer[GATE_UP], gate_up, claims,
-                              phase + 3, sync, t, n_threads, spin_limit):
+                              phase + 3, sync, t, n_threads, spin_limit, no_kv):
             break
         if n_seqs >= n_threads:
             for r in range(r_lo, r_hi):
@@ -239,23 +230,18 @@ def _team_member(t, n_threads, spin_limit, sync, claims, x, h, qtypes, rows, fli
                 ops._swiglu_stacked_cols(gate_up, ff, r, c_lo, c_hi)
         if not team.barrier(sync, t, n_threads, spin_limit):
             break
-        if li + 1 < len(w_qkv):  # the down matmul, asking for the next layer's keys and values as it goes
-            _quantize_span(ff, q_f[0], q_f[1], q_f[2], flips[li, DOWN], t, n_threads)
-            if not team.barrier(sync, t, n_threads, spin_limit):
-                break
-            _gemm_prefetching_kv(qtypes[li, DOWN], w_layer[DOWN], q_f[0], q_f[1], q_f[2], d, claims, phase + 4,
-                                 n_threads, t, u(k_pools[li + 1]), u(v_pools[li + 1]), slots, positions)
-            if not team.barrier(sync, t, n_threads, spin_limit):
-                break
-        elif not _matmul_phases(ff, q_f, flips[li, DOWN], qtypes[li, DOWN], w_layer[DOWN], d, claims, phase + 4,
-                                sync, t, n_threads, spin_limit):
+        # The down matmul asks for this member's share of the next layer's keys and values as it goes.
+        next_kv = no_kv if li + 1 == len(w_qkv) else (u(k_pools[li + 1]), u(v_pools[li + 1]), slots, positions,
+                                                       kv_lo, kv_hi)
+        if not _matmul_phases(ff, q_f, flips[li, DOWN], qtypes[li, DOWN], w_layer[DOWN], d, claims, phase + 4, sync,
+                              t, n_threads, spin_limit, next_kv):
             break
         for r in range(r_lo, r_hi):
             ops._add_rmsnorm_row(x, d, next_norms[li], eps, h, r)
         if not team.barrier(sync, t, n_threads, spin_limit):
             break
     _matmul_phases(h, q_d, out_flip, out_qtype, out_packed, logits, claims, _PHASES * len(w_qkv), sync, t,
-                   n_threads, spin_limit)
+                   n_threads, spin_limit, no_kv)
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
