@@ -281,14 +281,21 @@ def _turn(a, b, c, s):
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy", inline="always")
+def _store_head(src, dst):
+    """dst = src (float32 values, at least as many) in dst's element type (a float16 cache's bits, or float32).
+    Both are indexed from 0: an index such as `row[start + c]` could be negative as far as LLVM knew, numba's
+    wrap-around of negative indices stayed in the loop, and it vectorized to gathers and scatters."""
+    for c in range(dst.shape[0]):
+        dst[c] = _f32_to_kv(src[c], dst)
+
+
+@numba.njit(cache=True, nogil=True, error_model="numpy", inline="always")
 def _rotate_head(row, src, neox, cos_row, sin_row, dst):
     """dst (hd,) = the head at row[src : src + hd] with its first n_rot dims turned pair by pair (see
     `rope_inplace`), in dst's element type (a float16 cache's bits, or float32). dst may be that very head:
     each pair is read before it is written."""
     half = cos_row.shape[0]
-    # Slices indexed from the loop counters alone: an index such as `src + i` or `i + half` could be negative
-    # as far as LLVM knew, numba's wrap-around of negative indices stayed in the loop, and it vectorized to
-    # gathers and scatters.
+    # Slices indexed from the loop counters alone, as in `_store_head`.
     head = row[src:src + dst.shape[0]]
     if neox:
         first, second = head[:half], head[half:2 * half]
@@ -302,9 +309,7 @@ def _rotate_head(row, src, neox, cos_row, sin_row, dst):
             x, y = _turn(head[2 * i], head[2 * i + 1], cos_row[i], sin_row[i])
             dst[2 * i] = _f32_to_kv(x, dst)
             dst[2 * i + 1] = _f32_to_kv(y, dst)
-    rest, dst_rest = head[2 * half:], dst[2 * half:]  # dims past n_rot are not rotated
-    for c in range(rest.shape[0]):
-        dst_rest[c] = _f32_to_kv(rest[c], dst)
+    _store_head(head[2 * half:], dst[2 * half:])  # dims past n_rot are not rotated
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy", inline="always")
@@ -388,9 +393,7 @@ def _qkv_token(qkv, t, neox, cos_row, sin_row, q_out, k_pool, v_pool, slot, pos)
     v_row = v_pool[slot, pos]
     v_first = (n_q + n_kv) * head_dim
     for h in range(n_kv):
-        v_src = row[v_first + h * head_dim:v_first + (h + 1) * head_dim]  # indexed from 0: see `_rotate_head`
-        for c in range(head_dim):
-            v_row[h, c] = _f32_to_kv(v_src[c], v_pool)
+        _store_head(row[v_first + h * head_dim:v_first + (h + 1) * head_dim], v_row[h])
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
@@ -896,10 +899,7 @@ def _attention_qkv_item(item, qkv, neox, cos_table, sin_table, k_all, v_all, slo
     values = v_all[slot]
     if k_hi == pos + 1:
         _rotate_head(row, (n_q_heads + kvh) * head_dim, neox, cos_table[b], sin_table[b], keys[pos, kvh])
-        v_row = values[pos, kvh]
-        v_src = row[v_first + kvh * head_dim:v_first + (kvh + 1) * head_dim]  # a slice: see `_rotate_head`
-        for c in range(head_dim):
-            v_row[c] = _f32_to_kv(v_src[c], values)
+        _store_head(row[v_first + kvh * head_dim:v_first + (kvh + 1) * head_dim], values[pos, kvh])
     q_rows = scratch[0]
     for i in range(n_heads):
         _rotate_head(row, (h0 + i) * head_dim, neox, cos_table[b], sin_table[b], q_rows[i])
