@@ -214,3 +214,35 @@ def test_kv_prefetch_for_the_next_layer_reads_into_l2_and_changes_nothing():
         np.testing.assert_array_equal(pool, old)
     asm = probe.inspect_asm(probe.signatures[0])
     assert "prefetcht1" in asm and "prefetcht0" not in asm
+
+
+@pytest.mark.parametrize("n_rows", [1, 3, 8])
+def test_swiglu_fused_into_the_quantization_gives_the_bits_of_the_two_phases(n_rows):
+    """The team's SwiGLU is computed block by block by the member that quantizes the block for the down matmul
+    (`_swiglu_quantize_span`): for any team size (spans that cut a row in the middle, members with nothing),
+    the members' parts together give the SwiGLU rows and the quantized blocks of the SwiGLU then
+    `quantize_rows`, bit for bit, and every block is written by one member only."""
+    from pantheon.kernels.cpu import decode_layers, ops
+
+    ffn = 160  # 5 blocks a row: most team sizes cut rows
+    rng = np.random.default_rng(n_rows)
+    gate_up = (rng.standard_normal((n_rows, 2 * ffn)) * 3).astype(np.float32)
+    want_ff = ops.swiglu_stacked(gate_up)
+    for flip in (0, -128):
+        want = int8dot._quantize(want_ff, np.int32(flip))
+        for parts in (1, 2, 3, 7, 2 * n_rows * ffn // int8dot.QK + 1):
+            ff = np.full((n_rows, ffn), np.nan, dtype=np.float32)
+            xq = np.zeros_like(want[0])
+            xd = np.full_like(want[1], np.nan)
+            xs = np.full_like(want[2], np.nan)
+            written = 0
+            for part in range(parts):
+                mine = np.full_like(xd, np.nan)
+                decode_layers._swiglu_quantize_span(gate_up, ff, xq, mine, xs, np.int32(flip), part, parts)
+                assert np.isnan(xd[~np.isnan(mine)]).all()  # no block another member wrote
+                xd = np.where(np.isnan(mine), xd, mine)
+                written += int((~np.isnan(mine)).sum())
+            assert written == xd.size
+            np.testing.assert_array_equal(ff, want_ff)
+            for got, expected in zip((xq, xd, xs), want):
+                np.testing.assert_array_equal(got, expected)
