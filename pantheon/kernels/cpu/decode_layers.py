@@ -76,18 +76,24 @@ def _layers(x, h, qtypes, rows, flips, w_qkv, w_out, w_gate_up, w_down, ffn_norm
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
-def _quantize_span(x, xq, xd, xs, flip, part, parts):
-    """This thread's share of `int8dot._quantize`'s blocks of x: (row, block) pairs, in row-major order."""
-    n_blocks = x.shape[1] // int8dot.QK
-    lo, hi = team.span(x.shape[0] * n_blocks, part, parts)
-    for i in range(lo, hi):
-        int8dot._quantize_block(x, xq, xd, xs, i // n_blocks, i % n_blocks, flip)
+def _quantize_blocks(x, xq, xd, xs, flip, row, b_lo, b_hi):
+    """`int8dot._quantize`'s blocks b_lo .. b_hi - 1 of row `row` of x."""
+    for block in range(b_lo, b_hi):
+        int8dot._quantize_block(x, xq, xd, xs, row, block, flip)
+
+
+@numba.njit(cache=True, nogil=True, error_model="numpy")
+def _quantize_rows(x, xq, xd, xs, flip, r_lo, r_hi):
+    """`int8dot._quantize`'s blocks of rows r_lo .. r_hi - 1 of x."""
+    for r in range(r_lo, r_hi):
+        _quantize_blocks(x, xq, xd, xs, flip, r, 0, x.shape[1] // int8dot.QK)
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
 def _swiglu_quantize_span(gate_up, ff, xq, xd, xs, flip, part, parts):
-    """`_quantize_span` of ff = SwiGLU(gate_up), each block's SwiGLU computed by the member that quantizes it,
-    right before: one phase and one barrier for what were two (the SwiGLU's rows, then their blocks), and the
+    """This member's share (`team.span`) of the (row, block) pairs of ff = SwiGLU(gate_up), in row-major order:
+    each block's SwiGLU, then its quantization for the down matmul (`int8dot._quantize_block`), by the same
+    member: one phase and one barrier for what were two (the SwiGLU's rows, then their blocks), and the
     block is still in L1 when it is quantized. The same functions on the same values: the same bits.
     `bench/batch_ab.py --pairs 6 --rounds 6` against the two phases (2026-12-02, 2-core Zen 5 VM, two runs of
     36 rounds a tree): batch-1 medians 260 -> 295 and 268 -> 289 tok/s, batch 8 1271 -> 1317 and 1232 -> 1257.
@@ -103,6 +109,21 @@ def _swiglu_quantize_span(gate_up, ff, xq, xd, xs, flip, part, parts):
         for block in range(first, end):
             int8dot._quantize_block(ff, xq, xd, xs, row, block, flip)
         i += end - first
+
+
+@numba.njit(cache=True, nogil=True, error_model="numpy")
+def _add_rmsnorm_quantize_rows(residual, delta, weight, eps, out, xq, xd, xs, flip, r_lo, r_hi):
+    """`ops._add_rmsnorm_row` of rows r_lo .. r_hi - 1, each row's blocks quantized for the next matmul right
+    after its norm (`int8dot._quantize_block`), by the member that owns the rows: no barrier between the norm
+    and the quantization, which the team needed when the quantization's blocks were shared out apart from the
+    norm's rows. The same functions on the same values: the same bits. With the attention items' own
+    quantization (`_team_member`), 3 of a layer's 11 barriers gone (8 remain, 9 with split key runs); `bench/batch_ab.py --pairs 6 --rounds 6`
+    against the step with them (2026-12-02, 2-core Zen 5 VM, two runs): batch-8 medians 1207 -> 1237 and
+    1197 -> 1217 tok/s, batch 1 252 -> 267 and 289 -> 276; within this VM's noise, at most a few percent.
+    (The norm's alone, one run: batch 8 1292 -> 1265, batch 1 272 -> 273.)"""
+    for r in range(r_lo, r_hi):
+        ops._add_rmsnorm_row(residual, delta, weight, eps, out, r)
+        _quantize_rows(out, xq, xd, xs, flip, r, r + 1)
 
 
 # Keys (and as many values) per sequence and kv head that the down matmul asks for: 128 rows of SmolLM2's
@@ -157,19 +178,10 @@ def _gemm_claimed(qtype, packed, xq, xd, xs, out, claims, phase, n_threads, kv):
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
-def _matmul_phases(x, q, flip, qtype, packed, out, claims, phase, sync, t, n_threads, spin_limit, kv):
-    """A team's matmul of x's rows, as two phases: this member quantizes its share of x into q (xq, xd, xs) and
-    meets the others, then claims chunks of the weight groups and meets them again (out is whole after it),
-    asking for kv's keys and values between chunks (`_gemm_claimed`). False when the team was given up at a
-    barrier: leave the region then."""
-    _quantize_span(x, q[0], q[1], q[2], flip, t, n_threads)
-    return _gemm_phases(q, qtype, packed, out, claims, phase, sync, t, n_threads, spin_limit, kv)
-
-
-@numba.njit(cache=True, nogil=True, error_model="numpy")
 def _gemm_phases(q, qtype, packed, out, claims, phase, sync, t, n_threads, spin_limit, kv):
-    """The rest of `_matmul_phases` once this member has quantized its share of the input into q: meet, claim
-    chunks of the matmul, meet. False when the team was given up at a barrier."""
+    """A team's matmul of an input every member has quantized its part of into q (xq, xd, xs): meet, then
+    claim chunks of the weight groups and meet again (out is whole after it), asking for kv's keys and values
+    between chunks (`_gemm_claimed`). False when the team was given up at a barrier: leave the region then."""
     if not team.barrier(sync, t, n_threads, spin_limit):
         return False
     _gemm_claimed(qtype, packed, q[0], q[1], q[2], out, claims, phase, n_threads, kv)
@@ -217,14 +229,24 @@ def _team_member(t, n_threads, spin_limit, sync, claims, x, h, qtypes, rows, fli
     # This member's (sequence, kv head) pairs for the down matmuls' prefetch, and the empty run for the others.
     kv_lo, kv_hi = team.span(n_seqs * k_pools[0].shape[2], t, n_threads)
     no_kv = (u(k_pools[0]), u(v_pools[0]), slots, positions, kv_hi, kv_hi)
+    n_kv_heads, head_dim = k_pools[0].shape[2], attn.shape[2]
+    group = attn.shape[1] // n_kv_heads
+    # With no sequence's keys split into runs, an item's output rows are final when it ends, and it quantizes
+    # them for the out matmul itself (whole blocks of QK values: head_dim a multiple of QK): no barrier between
+    # the attention and that quantization.
+    items_quantize = max_splits == 1 and head_dim % int8dot.QK == 0
+    head_blocks = head_dim // int8dot.QK
+    # h (B, D), the input of a layer's q|k|v and gate|up matmuls and of the output matmul, is quantized by the
+    # member that computed its rows (`_add_rmsnorm_quantize_rows`); the first layer's came normed from outside.
+    _quantize_rows(h, q_d[0], q_d[1], q_d[2], flips[0, QKV] if len(w_qkv) else out_flip, r_lo, r_hi)
     for li in range(len(w_qkv)):
         phase = _PHASES * li
         # Taken from the lists once a layer, as views without an owner: each list access increments and
         # decrements the array's reference count, an atomic on a word both threads share.
         k_pool, v_pool = u(k_pools[li]), u(v_pools[li])
         w_layer = (u(w_qkv[li]), u(w_out[li]), u(w_gate_up[li]), u(w_down[li]))
-        if not _matmul_phases(h, q_d, flips[li, QKV], qtypes[li, QKV], w_layer[QKV], qkv, claims, phase, sync, t,
-                              n_threads, spin_limit, no_kv):
+        if not _gemm_phases(q_d, qtypes[li, QKV], w_layer[QKV], qkv, claims, phase, sync, t, n_threads, spin_limit,
+                            no_kv):
             break
         while True:  # items differ in length (each sequence its own context): claimed one by one
             item = team.claim(claims, phase + 1)
@@ -233,21 +255,24 @@ def _team_member(t, n_threads, spin_limit, sync, claims, x, h, qtypes, rows, fli
             ops._attention_qkv_item(item, qkv, False, cos_table, sin_table, k_pool, v_pool, slots,
                                     positions, scale32, attn, first_item, per_subgroup, n_subgroups, part_max,
                                     part_sum, part_acc, scratch)
-        if not team.barrier(sync, t, n_threads, spin_limit):
-            break
-        if max_splits > 1:
-            ops._merge_split_rows(positions, part_max, part_sum, part_acc, attn, r_lo, r_hi)
+            if items_quantize:  # the item's output rows are whole: quantized for the out matmul at once
+                b, _, _, h0, n_heads, _, _ = ops._decode_item(item, first_item, per_subgroup, n_subgroups, group,
+                                                              n_kv_heads, positions)
+                _quantize_blocks(attn_rows, q_a[0], q_a[1], q_a[2], flips[li, OUT], b, h0 * head_blocks,
+                                 (h0 + n_heads) * head_blocks)
+        if not items_quantize:  # a member's rows once every item is done: merged (split runs), then quantized
             if not team.barrier(sync, t, n_threads, spin_limit):
                 break
-        if not _matmul_phases(attn_rows, q_a, flips[li, OUT], qtypes[li, OUT], w_layer[OUT], o, claims, phase + 2,
-                              sync, t, n_threads, spin_limit, no_kv):
+            if max_splits > 1:
+                ops._merge_split_rows(positions, part_max, part_sum, part_acc, attn, r_lo, r_hi)
+            _quantize_rows(attn_rows, q_a[0], q_a[1], q_a[2], flips[li, OUT], r_lo, r_hi)
+        if not _gemm_phases(q_a, qtypes[li, OUT], w_layer[OUT], o, claims, phase + 2, sync, t, n_threads, spin_limit,
+                            no_kv):
             break
-        for r in range(r_lo, r_hi):
-            ops._add_rmsnorm_row(x, o, ffn_norms[li], eps, h, r)
-        if not team.barrier(sync, t, n_threads, spin_limit):
-            break
-        if not _matmul_phases(h, q_d, flips[li, GATE_UP], qtypes[li, GATE_UP], w_layer[GATE_UP], gate_up, claims,
-                              phase + 3, sync, t, n_threads, spin_limit, no_kv):
+        _add_rmsnorm_quantize_rows(x, o, ffn_norms[li], eps, h, q_d[0], q_d[1], q_d[2], flips[li, GATE_UP], r_lo,
+                                   r_hi)
+        if not _gemm_phases(q_d, qtypes[li, GATE_UP], w_layer[GATE_UP], gate_up, claims, phase + 3, sync, t,
+                            n_threads, spin_limit, no_kv):
             break
         # The down matmul's input: the SwiGLU of gate|up, computed block by block as it is quantized.
         _swiglu_quantize_span(gate_up, ff, q_f[0], q_f[1], q_f[2], flips[li, DOWN], t, n_threads)
@@ -257,12 +282,10 @@ def _team_member(t, n_threads, spin_limit, sync, claims, x, h, qtypes, rows, fli
         if not _gemm_phases(q_f, qtypes[li, DOWN], w_layer[DOWN], d, claims, phase + 4, sync, t, n_threads,
                             spin_limit, next_kv):
             break
-        for r in range(r_lo, r_hi):
-            ops._add_rmsnorm_row(x, d, next_norms[li], eps, h, r)
-        if not team.barrier(sync, t, n_threads, spin_limit):
-            break
-    _matmul_phases(h, q_d, out_flip, out_qtype, out_packed, logits, claims, _PHASES * len(w_qkv), sync, t,
-                   n_threads, spin_limit, no_kv)
+        _add_rmsnorm_quantize_rows(x, d, next_norms[li], eps, h, q_d[0], q_d[1], q_d[2],
+                                   out_flip if li + 1 == len(w_qkv) else flips[li + 1, QKV], r_lo, r_hi)
+    _gemm_phases(q_d, out_qtype, out_packed, logits, claims, _PHASES * len(w_qkv), sync, t, n_threads, spin_limit,
+                 no_kv)
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
