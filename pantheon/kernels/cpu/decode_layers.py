@@ -85,8 +85,7 @@ def _quantize_blocks(x, xq, xd, xs, flip, row, b_lo, b_hi):
 @numba.njit(cache=True, nogil=True, error_model="numpy")
 def _quantize_rows(x, xq, xd, xs, flip, r_lo, r_hi):
     """`int8dot._quantize`'s blocks of rows r_lo .. r_hi - 1 of x."""
-    for r in range(r_lo, r_hi):
-        _quantize_blocks(x, xq, xd, xs, flip, r, 0, x.shape[1] // int8dot.QK)
+    int8dot._quantize_rows_serial(x[r_lo:r_hi], xq[r_lo:r_hi], xd[r_lo:r_hi], xs[r_lo:r_hi], flip)
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
@@ -117,10 +116,10 @@ def _add_rmsnorm_quantize_rows(residual, delta, weight, eps, out, xq, xd, xs, fl
     after its norm (`int8dot._quantize_block`), by the member that owns the rows: no barrier between the norm
     and the quantization, which the team needed when the quantization's blocks were shared out apart from the
     norm's rows. The same functions on the same values: the same bits. With the attention items' own
-    quantization (`_team_member`), 3 of a layer's 11 barriers gone (8 remain, 9 with split key runs); `bench/batch_ab.py --pairs 6 --rounds 6`
-    against the step with them (2026-12-02, 2-core Zen 5 VM, two runs): batch-8 medians 1207 -> 1237 and
-    1197 -> 1217 tok/s, batch 1 252 -> 267 and 289 -> 276; within this VM's noise, at most a few percent.
-    (The norm's alone, one run: batch 8 1292 -> 1265, batch 1 272 -> 273.)"""
+    quantization (`_team_member`), 3 of a layer's 11 barriers gone (8 remain, 9 with split key runs):
+    `bench/batch_ab.py --pairs 6 --rounds 6` against the step with them (2026-12-02, 2-core Zen 5 VM, two
+    runs): batch-8 medians 1207 -> 1237 and 1197 -> 1217 tok/s, batch 1 252 -> 267 and 289 -> 276; within
+    this VM's noise, at most a few percent. (The norms' alone, one run: batch 8 1292 -> 1265, batch 1 272 -> 273.)"""
     for r in range(r_lo, r_hi):
         ops._add_rmsnorm_row(residual, delta, weight, eps, out, r)
         _quantize_rows(out, xq, xd, xs, flip, r, r + 1)
@@ -229,8 +228,7 @@ def _team_member(t, n_threads, spin_limit, sync, claims, x, h, qtypes, rows, fli
     # This member's (sequence, kv head) pairs for the down matmuls' prefetch, and the empty run for the others.
     kv_lo, kv_hi = team.span(n_seqs * k_pools[0].shape[2], t, n_threads)
     no_kv = (u(k_pools[0]), u(v_pools[0]), slots, positions, kv_hi, kv_hi)
-    n_kv_heads, head_dim = k_pools[0].shape[2], attn.shape[2]
-    group = attn.shape[1] // n_kv_heads
+    head_dim = attn.shape[2]
     # With no sequence's keys split into runs, an item's output rows are final when it ends, and it quantizes
     # them for the out matmul itself (whole blocks of QK values: head_dim a multiple of QK): no barrier between
     # the attention and that quantization.
@@ -252,12 +250,10 @@ def _team_member(t, n_threads, spin_limit, sync, claims, x, h, qtypes, rows, fli
             item = team.claim(claims, phase + 1)
             if item >= n_items:
                 break
-            ops._attention_qkv_item(item, qkv, False, cos_table, sin_table, k_pool, v_pool, slots,
-                                    positions, scale32, attn, first_item, per_subgroup, n_subgroups, part_max,
-                                    part_sum, part_acc, scratch)
+            b, h0, n_heads = ops._attention_qkv_item(item, qkv, False, cos_table, sin_table, k_pool, v_pool, slots,
+                                                     positions, scale32, attn, first_item, per_subgroup, n_subgroups,
+                                                     part_max, part_sum, part_acc, scratch)
             if items_quantize:  # the item's output rows are whole: quantized for the out matmul at once
-                b, _, _, h0, n_heads, _, _ = ops._decode_item(item, first_item, per_subgroup, n_subgroups, group,
-                                                              n_kv_heads, positions)
                 _quantize_blocks(attn_rows, q_a[0], q_a[1], q_a[2], flips[li, OUT], b, h0 * head_blocks,
                                  (h0 + n_heads) * head_blocks)
         if not items_quantize:  # a member's rows once every item is done: merged (split runs), then quantized

@@ -887,7 +887,8 @@ def _attention_decode_qkv_kernel(qkv, neox, cos_table, sin_table, k_all, v_all, 
 def _attention_qkv_item(item, qkv, neox, cos_table, sin_table, k_all, v_all, slot_ids, positions, scale32, out,
                         first_item, per_subgroup, n_subgroups, part_max, part_sum, part_acc, scratch):
     """Work item `item` of `_attention_decode_qkv_kernel` (see `_decode_layout`); scratch from
-    `_item_scratch(per_subgroup, head_dim)`."""
+    `_item_scratch(per_subgroup, head_dim)`. Returns (b, h0, n_heads): the output rows out[b, h0 : h0 + n_heads]
+    it wrote (or, for a split run, the rows whose softmax state it left)."""
     n_q_heads, head_dim = out.shape[1], out.shape[2]
     n_kv_heads = k_all.shape[2]
     group = n_q_heads // n_kv_heads
@@ -908,6 +909,7 @@ def _attention_qkv_item(item, qkv, neox, cos_table, sin_table, k_all, v_all, slo
     _attend_item(n_heads, keys, values, kvh, k_lo, k_hi, scale32, b, h0, split,
                  first_item[b + 1] - first_item[b] == n_kv_heads * n_subgroups, out, part_max, part_sum, part_acc,
                  scratch)
+    return b, h0, n_heads
 
 
 @_njit_parallel
