@@ -154,3 +154,22 @@ def test_a_plain_file_opens_without_gguf_reader(tmp_path: Path, monkeypatch: pyt
     t = f.tensors["f32"]
     assert t.shape == (64, 3) and t.offset % 64 == 0
     assert np.array_equal(f.tensor_bytes("f32").view(np.float32), np.arange(3 * 64, dtype=np.float32))
+
+
+def test_only_headers_gguf_reader_reads_go_to_the_child_process(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a cache to fill, a plain header is read in this process (~0.1 s, against ~0.3 s to start a child);
+    a big-endian one goes to the child (GGUFReader's seconds off this process's GIL), which fills the cache."""
+    from pantheon.io import gguf_file
+
+    children = []
+    real_child = gguf_file._build_cache_in_subprocess
+    monkeypatch.setattr(gguf_file, "_build_cache_in_subprocess",
+                        lambda path, cache_file: (children.append(path), real_child(path, cache_file)))
+    plain = _write_every_kind(tmp_path / "every.gguf")
+    assert open_gguf(plain, tmp_path / "cache").metadata == gguf_file._read_with_gguf(plain)[0]
+    assert children == []
+    big = _write_every_kind(tmp_path / "big.gguf", endianess=gguf.GGUFEndian.BIG)
+    assert open_gguf(big, tmp_path / "cache").metadata == gguf_file._read_with_gguf(big)[0]
+    assert children == [big]
+    assert len(list((tmp_path / "cache").glob("*.gguf.json"))) == 2

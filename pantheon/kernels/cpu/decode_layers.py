@@ -105,8 +105,7 @@ def _swiglu_quantize_span(gate_up, ff, xq, xd, xs, flip, part, parts):
         row, first = i // n_blocks, i % n_blocks
         end = min(n_blocks, first + hi - i)
         ops._swiglu_stacked_cols(gate_up, ff, row, first * qk, end * qk)
-        for block in range(first, end):
-            int8dot._quantize_block(ff, xq, xd, xs, row, block, flip)
+        _quantize_blocks(ff, xq, xd, xs, flip, row, first, end)
         i += end - first
 
 
