@@ -152,16 +152,16 @@ def _prefetch_next_group(builder: ir.IRBuilder, q4: bool, wptr: ir.Value, row_by
                          lanes: int) -> None:
     """Ask for block j of the next packed group (the next row of the packed matrix, where a chunk of groups
     goes next; with 16 lanes, of the next two), non-temporal (the weights are read once a step): a group
-    ahead is further than the hardware prefetcher runs. On 8 lanes for the one-row kernel only, whose loop
-    waits on memory: the batch-1 decode step on the 2-core Zen 3 VM was 5-16% faster in 9 of 10 rounds of
-    two A/B runs (200 steps a round, alternating with a build without it; the tenth round was an outlier of
-    the other build). With 4 or 8 rows that loop is bound by its arithmetic and a prefetch is one more
-    instruction. The 16-lane kernels (`INT8_WIDE`) do the arithmetic in half the instructions, and their loop
-    waits on memory at every batch size: on the 2-core Zen 5 VM, 8 sequences decoded in-process at 1723-1818
-    tok/s with the prefetch at every size against 1374-1491 with it at one row only (3 alternating runs of 3
-    rounds, `bench/batched.py`'s loop), and the output matmul's phase of a step went from 2.2 to 1.3 M
-    cycles. Two pairs ahead measured the same as one. A prefetch past the matrix's end touches nothing (it
-    never faults)."""
+    ahead is further than the hardware prefetcher runs. At every batch size and on both widths. With one
+    activation row the loop waits on memory: the batch-1 decode step on the 2-core Zen 3 VM was 5-16% faster
+    in 9 of 10 rounds of two A/B runs (200 steps a round). With 16 lanes (`INT8_WIDE`) the loop waits on
+    memory at every batch size: on the 2-core Zen 5 VM, 8 sequences decoded in-process at 1723-1818 tok/s
+    with the prefetch at every size against 1374-1491 with it at one row only (3 alternating runs of 3
+    rounds, `bench/batched.py`'s loop); two pairs ahead measured the same as one. With 8 lanes (AVX2) and
+    4 or 8 rows the loop is bound by its arithmetic, but inside a decode step it still waited on the weights:
+    `bench/batch_ab.py --pairs 4 --rounds 4` on the 2-core Zen 3 VM (2026-12-04), batch-8 medians 613 ->
+    644 tok/s (per process 585-626 -> 631-647), batch 1 unchanged (218 / 221). A prefetch past the matrix's
+    end touches nothing (it never faults)."""
     group = Q4_1_GROUP if q4 else Q8_0_GROUP
     groups = lanes // LANES
     for step in range(groups, 2 * groups):
@@ -336,8 +336,7 @@ def _make_rows_dot(n_x: int, isa: str, lanes: int = LANES) -> Any:
         firsts = [builder.mul(row, n_blocks) for row in rows]  # of the row's scales in xd / xs
 
         def dots(j: ir.Value, accs: list[ir.Value]) -> list[ir.Value]:
-            if n_x == 1 or lanes > LANES:
-                _prefetch_next_group(builder, q4, wptr, row_bytes, j, lanes)
+            _prefetch_next_group(builder, q4, wptr, row_bytes, j, lanes)
             weights, d_w, corrections = _weight_block(builder, isa, q4, load, j, lanes)
             return [_row_block(builder, isa, q4, weights, d_w, corrections,
                                builder.gep(xrows[r], [builder.mul(j, ir.Constant(_i64, QK))]),
