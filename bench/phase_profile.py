@@ -1,0 +1,183 @@
+"""Where the compiled decode step's time goes, phase by phase: cycles per step of each team member.
+
+    .venv/bin/python bench/phase_profile.py [--levels 1,8] [--rounds 3] [--tokens 64] [--attention-twice]
+
+`bench/step_profile.py` times backend ops, but the default model's decode step is one compiled call
+(kernels/cpu/decode_layers.py: one team of threads, barriers between phases), so it shows as one op. This bench
+builds an instrumented copy of `decode_layers` (its source with a cycle-counter read, `llvm.readcyclecounter`,
+at each phase boundary of `_team_member`, summed per member into an array passed down from `_team_step`),
+writes it to a temporary directory, and runs `bench.batched`'s in-process decoder with the step routed through
+it. The phases, per layer summed over the layers: the q|k|v matmul, the attention items, the out matmul, the
+first norm, gate|up, the SwiGLU and its quantization, the down matmul, the second norm; then the output matmul.
+A matmul's figure includes the barriers around it, so a member's wait for the other shows in the phase after
+the one that ran long. Cycles are the time-stamp counter's (a constant rate; `tsc_ghz` is measured from the
+steps' wall time). `--attention-twice` runs each attention item a second time, right after the first, and
+reports that run apart (`attention_again`, not counted in `attn`): the same work with its data in the caches,
+which separates the attention's arithmetic from its waits on memory. The instrumented copy must keep matching
+`decode_layers`'s source: a statement it looks for and does not find stops it with the statement's text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import numpy as np  # noqa: E402
+
+PHASES = ["first_quantize", "qkv", "attn", "out", "norm1", "gate_up", "swiglu", "down", "norm2", "output",
+          "attention_again"]
+_TIMER = """
+from llvmlite import ir as _ir
+from numba import types as _types
+from numba.extending import intrinsic as _intrinsic
+
+
+@_intrinsic
+def _cycles(typingctx):
+    def codegen(context, builder, signature, args):
+        fn = builder.module.declare_intrinsic("llvm.readcyclecounter", fnty=_ir.FunctionType(_ir.IntType(64), []))
+        return builder.call(fn, [])
+    return _types.int64(), codegen
+
+
+@numba.njit
+def cycle_count():
+    return _cycles()
+"""
+
+
+# (old, new) in decode_layers's source: prof passed from _team_step through _team_layers to _team_member.
+_SIGNATURES = [
+    ("out_flip, logits):\n    \"\"\"`_layers` and", "out_flip, logits, prof):\n    \"\"\"`_layers` and"),
+    ("out_qtype, u(out_packed), out_flip, u(logits))", "out_qtype, u(out_packed), out_flip, u(logits), prof)"),
+    ("out_flip, logits):\n    \"\"\"Member t's", "out_flip, logits, prof):\n    \"\"\"Member t's"),
+    ("out_qtype, out_packed, out_flip, logits)\n    return logits,",
+     "out_qtype, out_packed, out_flip, logits, prof)\n    return logits,"),
+    ("scale, n_q_heads):\n    \"\"\"The whole decode step",
+     "scale, n_q_heads, prof):\n    \"\"\"The whole decode step"),
+]
+# (indent, start of a statement of _team_member, index in PHASES of the phase that ends there).
+_BOUNDARIES = [
+    (" " * 8, "phase = _PHASES * li\n", 8),  # the last layer's second norm (and the first layer's nothing)
+    (" " * 8, "while True:  # items differ", 1),
+    (" " * 8, "if not items_quantize:  # a member", 2),
+    (" " * 8, "_add_rmsnorm_quantize_rows(x, o,", 3),
+    (" " * 8, "if not _gemm_phases(q_d, qtypes[li, GATE_UP]", 4),
+    (" " * 8, "_swiglu_quantize_span(", 5),
+    (" " * 8, "# The down matmul asks", 6),
+    (" " * 8, "_add_rmsnorm_quantize_rows(x, d,", 7),
+    (" " * 4, "_gemm_phases(q_d, out_qtype", 8),
+]
+
+
+def _replace(source: str, old: str, new: str) -> str:
+    if source.count(old) != 1:
+        raise RuntimeError(f"decode_layers changed: expected one {old!r}")
+    return source.replace(old, new)
+
+
+def _tick(indent: str, phase: int) -> str:
+    return f"{indent}_now = _cycles(); prof[t, {phase}] += _now - _last; _last = _now\n"
+
+
+def instrumented_source(source: str, attention_twice: bool) -> str:
+    """decode_layers's source with the per-phase counters (see the module docstring)."""
+    s = _replace(source, "log = logging.getLogger", _TIMER + "\nlog = logging.getLogger")
+    # prof (n_threads, len(PHASES)) int64, from _team_step down to each member.
+    for old, new in _SIGNATURES:
+        s = _replace(s, old, new)
+    member = s.index("def _team_member(")
+    head, body = s[:member], s[member:]
+    end = body.index("\n@numba.njit")
+    body, tail = body[:end], body[end:]
+    first = body.index("    _quantize_rows(h, q_d[0]")
+    first_end = body.index("\n", first) + 1
+    body = body[:first] + "    _last = _cycles()\n" + body[first:first_end] + _tick("    ", 0) + body[first_end:]
+    for indent, statement, phase in _BOUNDARIES:  # the phase that ends where the statement starts
+        body = _replace(body, indent + statement, _tick(indent, phase) + indent + statement)
+    body = body.rstrip("\n") + "\n" + _tick("    ", 9)
+    if attention_twice:
+        call = "b, h0, n_heads = ops._attention_qkv_item("
+        start = body.index(call)
+        stop = body.index(")\n", start) + 2
+        again = body[start:stop].replace(call, "ops._attention_qkv_item(")
+        body = (body[:stop] + f"{' ' * 12}_again = _cycles()\n{' ' * 12}{again}{' ' * 12}_done = _cycles(); "
+                "prof[t, 10] += _done - _again; _last += _done - _again\n" + body[stop:])
+    return head + body + "\n" + tail
+
+
+def load_instrumented(attention_twice: bool) -> Any:
+    from pantheon.kernels.cpu import decode_layers
+
+    source = instrumented_source(Path(decode_layers.__file__).read_text(), attention_twice)
+    path = Path(tempfile.mkdtemp(prefix="pantheon-phase-")) / "decode_layers_phases.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location("decode_layers_phases", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--levels", default="1,8")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=64, help="decode steps timed per round")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--attention-twice", action="store_true")
+    args = ap.parse_args()
+
+    from bench.batched import PantheonBatched
+    from bench.common import default_model
+    from bench.concurrency import PROMPTS
+    from pantheon.kernels.cpu import decode_layers, team
+
+    phases = load_instrumented(args.attention_twice)
+    phases.cycle_count()
+    c0, t0 = phases.cycle_count(), time.perf_counter()
+    time.sleep(0.2)
+    tsc_hz = (phases.cycle_count() - c0) / (time.perf_counter() - t0)
+    prof = np.zeros((args.threads, len(PHASES)), np.int64)
+
+    def step(plan, tokens, eps, k_pools, v_pools, slots, positions, n_q_heads, n_rot, freq_base, freq_scale, scale,
+             threads):  # type: ignore[no-untyped-def]
+        step_args = decode_layers.step_args(plan, tokens, eps, k_pools, v_pools, slots, positions, n_q_heads, n_rot,
+                                            freq_base, freq_scale, scale)
+        logits, completed = phases._team_step(decode_layers._team_size(threads), team.SPIN_LIMIT, *step_args, prof)
+        if not completed:
+            raise RuntimeError("the team was given up; this bench does not redo steps")
+        return logits
+
+    decode_layers.decode_step = step
+    engine = PantheonBatched(default_model(), args.threads)
+    prompts = [engine.prompt_ids(p) for p in PROMPTS]
+    print(f"{args.threads} threads, {args.tokens} steps a round, prompts of {min(map(len, prompts))}-"
+          f"{max(map(len, prompts))} tokens; time-stamp counter {tsc_hz / 1e9:.2f} GHz; per phase, k cycles a step "
+          "(member 0 / member 1 ...)")
+    for _ in range(args.rounds):
+        for level in (int(v) for v in args.levels.split(",")):
+            batch = [prompts[i % len(prompts)] for i in range(level)]
+            engine.run(batch, 4)  # compiled and warm
+            prof[:] = 0
+            started = time.perf_counter()
+            rate = engine.run(batch, args.tokens)["decode_tok_s"]
+            wall = time.perf_counter() - started
+            per_step = prof / args.tokens
+            step_ms = level / rate * 1e3
+            in_team = prof[:, :10].sum(axis=1).max() / args.tokens / tsc_hz * 1e3
+            print(f"batch {level}: {rate:.0f} tok/s, step {step_ms:.2f} ms, {in_team:.2f} ms of it in the team "
+                  f"({wall:.1f} s with prefill)")
+            shown = PHASES if args.attention_twice else PHASES[:10]
+            print("   " + "  ".join(f"{name} " + "/".join(f"{per_step[t, i] / 1e3:.0f}" for t in range(len(prof)))
+                                    for i, name in enumerate(shown)))
+
+
+if __name__ == "__main__":
+    main()
