@@ -10,8 +10,8 @@ writes it to a temporary directory, and runs `bench.batched`'s in-process decode
 it. The phases, per layer summed over the layers: the q|k|v matmul, the attention items, the out matmul, the
 first norm, gate|up, the SwiGLU and its quantization, the down matmul, the second norm; then the output matmul.
 A matmul's figure includes the barriers around it, so a member's wait for the other shows in the phase after
-the one that ran long. Cycles are the time-stamp counter's (a constant rate; `tsc_ghz` is measured from the
-steps' wall time). `--attention-twice` runs each attention item a second time, right after the first, and
+the one that ran long. Cycles are the time-stamp counter's (a constant rate, printed: measured against a
+sleep). `--attention-twice` runs each attention item a second time, right after the first, and
 reports that run apart (`attention_again`, not counted in `attn`): the same work with its data in the caches,
 which separates the attention's arithmetic from its waits on memory. The instrumented copy must keep matching
 `decode_layers`'s source: a statement it looks for and does not find stops it with the statement's text.
@@ -64,7 +64,7 @@ _SIGNATURES = [
 ]
 # (indent, start of a statement of _team_member, index in PHASES of the phase that ends there).
 _BOUNDARIES = [
-    (" " * 8, "phase = _PHASES * li\n", 8),  # the last layer's second norm (and the first layer's nothing)
+    (" " * 8, "phase = _PHASES * li\n", 8),  # the layer before's second norm (the first layer: nothing)
     (" " * 8, "while True:  # items differ", 1),
     (" " * 8, "if not items_quantize:  # a member", 2),
     (" " * 8, "_add_rmsnorm_quantize_rows(x, o,", 3),
