@@ -607,6 +607,59 @@ async def test_prompts_that_arrive_together_share_prefill_steps(rewindable: bool
     assert [step for step in model.steps if max(step) > 1] == expected
 
 
+class FirstStepGatedModel(RecordingModel):
+    """RecordingModel whose first step waits until the test sets `release`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+
+    def forward(self, state: object, rows: list[Any]) -> np.ndarray:
+        if not self.steps:
+            assert self.release.wait(10)
+        return super().forward(state, rows)
+
+
+async def test_a_short_prompt_does_not_wait_for_a_long_prefill() -> None:
+    """A prompt admitted while a long one prefills gets the next prefill step (prompts take turns, least
+    recently served first), not the step after the long prompt's last chunk."""
+    from pantheon.engine.sampling import SamplingParams
+    from pantheon.sched import scheduler as scheduler_mod
+    from pantheon.sched.jobs import FinishEvent, GenerationJob
+
+    model = FirstStepGatedModel()
+    served = SimpleNamespace(name="fake", model=model, ctx_cap=4096)
+    sched = scheduler_mod.Scheduler(served, max_sessions=1, max_concurrent=4, queue_depth=4, prefill_chunk=256)
+
+    def job(n: int) -> GenerationJob:
+        return GenerationJob(prompt=list(range(1, n + 1)), sampling=SamplingParams(temperature=0), max_tokens=3,
+                             stop_ids=frozenset())
+
+    finished: list[str] = []
+
+    async def consume(name: str, channel: Any) -> None:
+        with trio.fail_after(10):
+            async for event in channel:
+                if isinstance(event, FinishEvent):
+                    finished.append(name)
+                    return
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sched.run)
+        nursery.start_soon(consume, "long", sched.submit(job(1000)))
+        while not sched.n_active:  # the long prompt is admitted; its first chunk waits on `release`
+            await trio.sleep(0.01)
+        nursery.start_soon(consume, "short", sched.submit(job(5)))
+        await trio.sleep(0.05)
+        model.release.set()
+        while len(finished) < 2:
+            await trio.sleep(0.01)
+        nursery.cancel_scope.cancel()
+    prefill_steps = [step for step in model.steps if max(step) > 1]
+    assert prefill_steps == [[256], [5], [256], [256], [232]]
+    assert finished == ["short", "long"]
+
+
 class GatedModel(FakeModel):
     """FakeModel whose second step waits for the test: `entered` is set when that step begins, and the step
     returns only once `release` is set."""

@@ -129,3 +129,10 @@ def test_invalid_bodies_are_400(body: object) -> None:
     with pytest.raises(ApiError) as info:
         parse_chat_request(body)
     assert info.value.status == 400 and info.value.error_type == "invalid_request_error"
+
+
+def test_a_developer_message_is_a_system_message() -> None:
+    req = parse_chat_request({"messages": [{"role": "developer", "content": "Answer in French."},
+                                           {"role": "user", "content": "Hi"}]})
+    assert [m.role for m in req.messages] == ["system", "user"]
+    assert req.messages[0].content == "Answer in French."

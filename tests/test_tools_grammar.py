@@ -167,6 +167,61 @@ def test_qwen_required_rejects(vocab: Vocab, name: str, text: str) -> None:
     assert vocab.run(grammar, text) == "reject"
 
 
+# Shaped like Pydantic / zod-to-json-schema / MCP output: a nested object through $defs (recursive), a
+# top-level allOf of two objects, a JSON-pointer reference to a sibling property.
+REF_TOOLS = parse_tools([
+    {"type": "function", "function": {"name": "tree", "parameters": {
+        "type": "object", "properties": {"node": {"$ref": "#/$defs/Node", "description": "the root"}},
+        "required": ["node"],
+        "$defs": {"Node": {"type": "object", "properties": {
+            "v": {"type": "integer"}, "kids": {"type": "array", "items": {"$ref": "#/$defs/Node"}}},
+            "required": ["v"]}}}}},
+    {"type": "function", "function": {"name": "both", "parameters": {"allOf": [
+        {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]},
+        {"properties": {"b": {"type": "integer"}, "c": {"$ref": "#/allOf/1/properties/b"}}, "required": ["b"]}]}}},
+])
+
+
+def test_resolved_schema_inlines_refs_and_merges_all_of() -> None:
+    tree, both = REF_TOOLS
+    node = tree.parameter_schema("node")
+    assert node is not None and node["type"] == "object" and node["required"] == ["v"]
+    assert node["description"] == "the root"  # a sibling of $ref stays
+    assert node["properties"]["kids"]["items"]["properties"]["v"] == {"type": "integer"}
+    assert "$defs" not in tree.arguments_schema and "$defs" in tree.parameters  # the prompt keeps the original
+    assert both.arguments_schema["required"] == ["a", "b"]
+    assert both.parameter_schema("b") == {"type": "integer"} and both.parameter_schema("c") == {"type": "integer"}
+    assert both.arguments_schema["type"] == "object" and "allOf" not in both.arguments_schema
+    dangling = parse_tools([{"type": "function", "function": {"name": "d", "parameters": {
+        "type": "object", "properties": {"x": {"$ref": "#/nope"}, "y": {"$ref": "https://example.com/s.json"}}}}}])
+    assert dangling[0].parameter_schema("x") == {} and dangling[0].parameter_schema("y") == {}
+
+
+@pytest.mark.parametrize(("dialect", "accepted", "rejected"), [
+    (QWEN, [xml_call("tree", [("node", '{"v": 1, "kids": [{"v": 2}]}')]),
+            xml_call("both", [("a", "hi"), ("b", "3")])],
+     [xml_call("tree", [("node", "a node")]), xml_call("tree", [("node", '{"kids": []}')]),
+      xml_call("both", [("a", "hi")]), xml_call("both", [("b", "3")]), xml_call("both", [("a", "x"), ("b", "y")])]),
+    (JSON, ['{"name": "tree", "arguments": {"node": {"v": 1, "kids": [{"v": 2}]}}}',
+            '{"name": "both", "arguments": {"a": "hi", "b": 3}}'],
+     ['{"name": "tree", "arguments": {"node": "a node"}}', '{"name": "both", "arguments": {}}',
+      '{"name": "both", "arguments": {"a": "hi"}}']),
+])
+def test_required_grammars_follow_refs_and_all_of(vocab: Vocab, dialect: Dialect, accepted: list[str],
+                                                  rejected: list[str]) -> None:
+    """A required call's arguments are typed and complete through $ref and allOf: seen over HTTP, an object
+    argument behind a $ref came back as free text, and an allOf schema's call as {} without its required keys."""
+    grammar = tool_call_grammar(dialect, REF_TOOLS, mode="required")
+    for text in accepted:
+        assert vocab.run(grammar, text) == "accept", text
+    for text in rejected:
+        assert vocab.run(grammar, text) == "reject", text
+    parser = dialect.parser(REF_TOOLS)
+    events = parser.feed(accepted[0]) + parser.finish()
+    ends = [e for e in events if isinstance(e, CallEnd)]
+    assert len(ends) == 1
+
+
 def test_qwen_required_with_think(vocab: Vocab) -> None:
     optional = tool_call_grammar(QWEN, OPENCODE_LIKE, mode="required", think="optional")
     assert vocab.run(optional, "<think>\nThe user wants main.py; <tool_call> later.\n</think>\n\n" + READ) == "accept"

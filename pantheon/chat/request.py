@@ -133,6 +133,10 @@ def _parse_message(index: int, raw: Any) -> Message:
         role = "user"  # a missing role is the user's, as the spec says
     elif not isinstance(role, str):
         raise invalid_request(f"messages[{index}].role must be a string")
+    elif role == "developer":
+        # OpenAI's newer name for the system role (its SDKs send it for reasoning models); chat templates
+        # know only "system", and would render it as a turn of its own beside their default system prompt.
+        role = "system"
     reasoning = raw.get("reasoning_content")
     if reasoning is None:
         reasoning = raw.get("reasoning")  # other servers' spelling of the same field

@@ -77,6 +77,7 @@ class Active:
     copy_from: tuple[int, int] | None = None  # (slot, n): that slot's first n positions, copied in first
     pinned: int | None = None  # the copy's source slot, pinned in the session table until the copy is done
     checkpoint: Any = None  # a snapshot taken at the end of this step, to keep on the slot
+    last_prefill_step: int = -1  # the scheduler's prefill step that last took a chunk of this prompt (-1: none)
     released: bool = False  # the turn is over (steps already running for it count for nothing)
 
     @property
@@ -155,6 +156,7 @@ class Scheduler:
         self._active: list[Active] = []
         self._wakeup = trio.Event()
         self._last_step_prefill = False
+        self._prefill_steps = 0  # prefill steps planned so far (`Active.last_prefill_step`)
         self.prefill_tok_per_s: float | None = None
         self.decode_step_s: float | None = None
         self._nursery: trio.Nursery | None = None
@@ -509,19 +511,27 @@ class Scheduler:
         decoding = [a for a in self._active if not a.prefilling]
         if prefilling and (not decoding or not self._last_step_prefill):
             self._last_step_prefill = True
-            # Prompts that arrived together share a step, in FIFO order, up to prefill_chunk tokens in all: the
-            # weights are read once for all of them (8 short chat prompts: one step instead of eight). The
-            # first always gets its whole chunk. A row's numbers do not depend on the other rows of a step.
-            # A recurrent model prefills one sequence per step (its checkpoints are taken per step).
+            # Prompts take turns, least recently served first (never served first, then in admission order), so
+            # that a short prompt admitted while a long one prefills waits for one chunk, not for the whole long
+            # prompt (seen: a 4-token chat request waited 22 s behind a ~4k-token prompt with FIFO chunks).
+            # Prompts that arrived together share a step, up to prefill_chunk tokens in all: the weights are read
+            # once for all of them (8 short chat prompts: one step instead of eight). The first always gets its
+            # whole chunk; the first that does not fit what is left ends the step, so that prompts never served
+            # start in admission order (a turn's prefix copy, `_execute`, runs before a later-admitted turn can
+            # rewind the source slot). A row's numbers do not depend on the other rows of a step, nor on when its
+            # chunks run (chunk boundaries are fixed, `_prefill_row`). A recurrent model prefills one sequence per
+            # step (its checkpoints are taken per step).
+            self._prefill_steps += 1
             rows: list[BatchRow] = []
             owners: list[Active] = []
             budget = self.prefill_chunk
-            for active in prefilling:
+            for active in sorted(prefilling, key=lambda a: a.last_prefill_step):
                 row = self._prefill_row(active)
                 if rows and len(row.tokens) > budget:
                     break
                 rows.append(row)
                 owners.append(active)
+                active.last_prefill_step = self._prefill_steps
                 budget -= len(row.tokens)
                 if budget <= 0 or not self.rewindable:
                     break

@@ -12,6 +12,7 @@ validate.
 from __future__ import annotations
 
 import ast
+import copy
 import json
 import math
 import re
@@ -22,6 +23,74 @@ _PY_TYPES: list[tuple[type, str]] = [(bool, "boolean"), (int, "integer"), (float
 _INT = re.compile(r"[+-]?\d+")
 _INTEGRAL_FLOAT = re.compile(r"[+-]?\d+\.0*")
 _FLOAT = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?")
+
+
+# Nested $refs followed at most this deep: a recursive schema (a tree of nodes) is cut off there, its deepest
+# references left as "any value".
+_REF_DEPTH = 8
+
+
+def resolved_schema(schema: Any) -> dict:
+    """A tool's parameters schema with its local `$ref`s inlined ("#/$defs/X", "#/definitions/X", any JSON
+    pointer into the schema, "#" itself) and each `allOf` of objects merged into its parent (properties and
+    required keys joined; a keyword the parent lacks taken from the first member that has it), so that the
+    call grammars and the argument typing see the keys and types that Pydantic-, zod- and MCP-style schemas
+    declare through them. `$schema`, `$id`, `$defs` and `definitions` are dropped; a reference that resolves
+    to nothing (or a remote one) becomes "any value"."""
+    if not isinstance(schema, dict):
+        return {}
+    out = _resolve(schema, schema, 0)
+    return out if isinstance(out, dict) else {}
+
+
+def _pointer(root: dict, ref: str) -> Any:
+    """What the local reference `ref` points at in root, or None."""
+    if ref == "#":
+        return root
+    if not ref.startswith("#/"):
+        return None
+    node: Any = root
+    for part in ref[2:].split("/"):
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
+def _resolve(node: Any, root: dict, depth: int) -> Any:
+    if isinstance(node, list):
+        return [_resolve(v, root, depth) for v in node]
+    if not isinstance(node, dict):
+        return node
+    ref = node.get("$ref")
+    if isinstance(ref, str):
+        rest = {k: v for k, v in node.items() if k != "$ref"}
+        target = _pointer(root, ref) if depth < _REF_DEPTH else None
+        if isinstance(target, dict):
+            merged = copy.deepcopy(target)
+            merged.update(rest)  # siblings of $ref (a description, a default) stay
+            return _resolve(merged, root, depth + 1)
+        node = rest
+    out = {k: _resolve(v, root, depth) for k, v in node.items() if k not in ("$schema", "$defs", "definitions", "$id")}
+    members = out.get("allOf")
+    if isinstance(members, list) and members and all(isinstance(m, dict) for m in members):
+        del out["allOf"]
+        for member in members:
+            for key, value in member.items():
+                if key == "properties" and isinstance(value, dict):
+                    props = out.get("properties")
+                    have = props if isinstance(props, dict) else {}
+                    out["properties"] = {**have, **{k: v for k, v in value.items() if k not in have}}
+                elif key == "required" and isinstance(value, list):
+                    have = out.get("required") if isinstance(out.get("required"), list) else []
+                    out["required"] = have + [k for k in value if k not in have]
+                elif key not in out:
+                    out[key] = value
+    return out
 
 
 def schema_types(schema: Any) -> list[str]:

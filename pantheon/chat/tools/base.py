@@ -12,10 +12,10 @@ import json
 import re
 import secrets
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from pantheon.chat.tools.arguments import streams_as_string, type_value
+from pantheon.chat.tools.arguments import resolved_schema, streams_as_string, type_value
 from pantheon.errors import invalid_request
 
 
@@ -23,11 +23,17 @@ from pantheon.errors import invalid_request
 class ToolSpec:
     name: str
     description: str
-    parameters: dict  # JSON schema of the arguments object
+    parameters: dict  # JSON schema of the arguments object, as the request sent it (the prompt shows this)
+    # The same with its $refs inlined and allOf merged (`resolved_schema`): what grammars and typing read.
+    arguments_schema: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.arguments_schema:
+            object.__setattr__(self, "arguments_schema", resolved_schema(self.parameters))
 
     def parameter_schema(self, key: str) -> dict | None:
         """The schema of one argument, or None when the tool does not declare it."""
-        props = self.parameters.get("properties")
+        props = self.arguments_schema.get("properties")
         if isinstance(props, dict) and isinstance(props.get(key), dict):
             return props[key]
         return None

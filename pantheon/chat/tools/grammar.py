@@ -24,11 +24,10 @@ a special token that text in a grammar can never match.
 from __future__ import annotations
 
 from collections.abc import Callable
-import copy
 import json
 from typing import Any
 
-from pantheon.chat.tools.arguments import schema_types
+from pantheon.chat.tools.arguments import resolved_schema, schema_types
 from pantheon.chat.tools.base import Dialect, ToolSpec
 from pantheon.errors import invalid_request
 
@@ -165,7 +164,7 @@ def _arguments_in_order(tool: ToolSpec) -> list[tuple[str, dict, bool]]:
     """(name, schema, required) of a tool's arguments in the order its calls' grammars take them: the required
     ones first (declared ones in schema order, then any the schema requires without declaring), then the
     optional ones in schema order."""
-    params = tool.parameters
+    params = tool.arguments_schema
     props = params.get("properties") if isinstance(params.get("properties"), dict) else {}
     required = params.get("required") if isinstance(params.get("required"), list) else []
     required = [k for k in props if k in required] + [k for k in required if isinstance(k, str) and k not in props]
@@ -205,7 +204,7 @@ def _json_calls(tools: list[ToolSpec], mode: str, prelude: str) -> str:
         for t in tools:
             shapes.append({
                 "type": "object",
-                "properties": {key: {"const": t.name}, "arguments": _json_schema(t.parameters, root=False)},
+                "properties": {key: {"const": t.name}, "arguments": _json_schema(t.arguments_schema, root=False)},
                 "required": [key, "arguments"],
                 "additionalProperties": False,
             })
@@ -236,35 +235,11 @@ def _dump(schema: Any) -> str:
 
 
 def _json_schema(schema: Any, *, root: bool = True) -> dict:
-    """A tool schema made ready for %json: local $refs inlined, `$schema` dropped, unsupported keywords
-    ignored (lenient) rather than failing the grammar."""
-    if not isinstance(schema, dict):
-        return {}
-    defs: dict[str, Any] = {}
-    for key in ("$defs", "definitions"):
-        if isinstance(schema.get(key), dict):
-            defs.update({f"#/{key}/{name}": sub for name, sub in schema[key].items()})
-    out = _inline(schema, defs, depth=0)
-    if not isinstance(out, dict):
-        return {}
+    """A schema made ready for %json: `resolved_schema` (local $refs inlined, allOf merged, `$schema` dropped),
+    unsupported keywords ignored (lenient) rather than failing the grammar."""
+    out = resolved_schema(schema)
     if "properties" in out and "type" not in out:
         out["type"] = "object"
     if root:
         out["x-guidance"] = dict(_JSON_OPTIONS)
     return out
-
-
-def _inline(node: Any, defs: dict[str, Any], depth: int) -> Any:
-    if isinstance(node, list):
-        return [_inline(v, defs, depth) for v in node]
-    if not isinstance(node, dict):
-        return node
-    ref = node.get("$ref")
-    if isinstance(ref, str):
-        if ref in defs and depth < 8:
-            merged = {k: v for k, v in node.items() if k != "$ref"}
-            merged.update(copy.deepcopy(defs[ref]))
-            return _inline(merged, defs, depth + 1)
-        return {k: v for k, v in node.items() if k not in ("$ref",) and k not in ("$defs", "definitions")} or {}
-    return {k: _inline(v, defs, depth) for k, v in node.items()
-            if k not in ("$schema", "$defs", "definitions", "$id")}

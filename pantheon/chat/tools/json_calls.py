@@ -140,7 +140,7 @@ def read_call(item: Any, tools: dict[str, ToolSpec]) -> tuple[str, dict] | _Prob
         args = {}
     if not isinstance(args, dict):
         return _Problem("invalid_arguments", name, "the arguments are not a JSON object")
-    return name, type_arguments(args, tools[name].parameters)
+    return name, type_arguments(args, tools[name].arguments_schema)
 
 
 def emit_json_value(parser: ToolCallParser, value: Any) -> None:

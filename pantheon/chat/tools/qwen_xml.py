@@ -50,8 +50,8 @@ class QwenXmlParser(XmlCallParser):
         super().__init__(tools)
         self._json: JsonValueScanner | None = None  # a JSON body inside <tool_call>
         # Per tool, its declared argument names that contain '>' (`_declared_key_with_bracket`).
-        self._bracket_keys = {t.name: [k for k in t.parameters.get("properties", {}) if ">" in k]
-                              if isinstance(t.parameters.get("properties"), dict) else [] for t in tools}
+        self._bracket_keys = {t.name: [k for k in t.arguments_schema.get("properties", {}) if ">" in k]
+                              if isinstance(t.arguments_schema.get("properties"), dict) else [] for t in tools}
 
     def _in_head(self, final: bool) -> bool:
         """After <tool_call>: <function=NAME> (or a JSON object) follows."""
