@@ -360,6 +360,10 @@ def test_sigterm_drains_in_flight_streams_and_exits_0(default_model_path: Path, 
             r = httpx.post(server.base_url + "/admin/models/load", json={"path": str(default_model_path),
                                                                          "name": "late"}, timeout=30)
             assert_error(r, 503, "server_shutting_down")
+            # Nor sessions restored: one would be gone when the process exits (refused before the blob is read).
+            r = httpx.post(server.base_url + "/session/restore", json={"session_id": "late", "blob": "AAAA",
+                                                                       "tokens": [1, 2]}, timeout=30)
+            assert_error(r, 503, "server_shutting_down")
             ra, rb = a.wait(300), b.wait(300)
         for res in (ra, rb):
             assert res.exception is None and res.done, res

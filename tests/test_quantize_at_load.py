@@ -62,3 +62,26 @@ def test_hybrid_models_are_quantized_too(tmp_path: Path) -> None:
     assert not np.array_equal(a, b)
     cos = (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
     assert cos.min() > 0.99  # random weights: Q8_0's error shows more than in a trained model
+
+
+def test_a_file_with_nothing_to_quantize_keeps_its_compiled_decode_path(tmp_path: Path,
+                                                                        default_model_path: Path) -> None:
+    """`quantize: true` on an already quantized file (the default model) changes nothing: the same stacked
+    matrices and compiled decode step (seen over HTTP: it had lost them, decoding through the per-op path), and
+    the same logits bit for bit."""
+    env = read_env({"PANTHEON_HOME": str(tmp_path)})
+    plain = load_served_model(ModelOptions(path=default_model_path, name="d"), env, CpuBackend(2))
+    quant = load_served_model(ModelOptions(path=default_model_path, name="dq", quantize=True), env, CpuBackend(2))
+    assert (quant.model._decode_plan is None) == (plain.model._decode_plan is None)
+    assert (quant.model.blocks[0].w_qkv is None) == (plain.model.blocks[0].w_qkv is None)
+    tokens = np.array(plain.tokenizer.encode("Hello there, how are you today?"), np.int32)
+    logits = []
+    for served in (plain, quant):
+        state = served.model.new_state(2, 64)
+        rows = [BatchRow(0, tokens, 0), BatchRow(1, tokens[:5], 0)]
+        first = served.model.forward(state, rows)
+        step = served.model.forward(state, [BatchRow(0, np.array([7], np.int32), len(tokens)),
+                                            BatchRow(1, np.array([9], np.int32), 5)])
+        logits.append((first, step))
+    np.testing.assert_array_equal(logits[0][0], logits[1][0])
+    np.testing.assert_array_equal(logits[0][1], logits[1][1])

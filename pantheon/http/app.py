@@ -85,7 +85,7 @@ class App:
             ("GET", "/v1/models"): self.models,
             ("POST", "/v1/chat/completions"): self.chat_completions,
             ("POST", "/admin/session/export"): partial(session_routes.export, state.registry),
-            ("POST", "/session/restore"): partial(session_routes.restore, state.registry),
+            ("POST", "/session/restore"): self.restore_session,
             ("POST", "/session/release"): partial(session_routes.release, state.registry),
             ("GET", "/session/estimate"): partial(session_routes.estimate, state.registry),
             ("GET", "/session/watch"): partial(session_routes.watch, state.registry,
@@ -218,6 +218,11 @@ class App:
         if self.state.draining:  # a model loaded now would be unloaded again at once, after seconds of work
             raise shutting_down()
         await admin_routes.load(self.state.manager, scope, receive, send)
+
+    async def restore_session(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+        if self.state.draining:  # a session restored now would be gone when the process exits a moment later
+            raise shutting_down()
+        await session_routes.restore(self.state.registry, scope, receive, send)
 
     async def chat_completions(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         raw = await read_body(receive)

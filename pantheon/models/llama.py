@@ -81,11 +81,13 @@ class LlamaBlock:
 
 
 def _stacked(gguf: GGUFFile, backend: Any, names: list[str]) -> Any:
-    """One matrix made of the named matrices' rows, or None when their types or widths differ or the backend
-    cannot take such a matrix. The quantized bytes are concatenated, never dequantized."""
+    """One matrix made of the named matrices' rows, or None when their types or widths differ, the backend
+    cannot take such a matrix, or it would quantize them at load (`quantize: true` on float matrices: bytes
+    concatenated here would skip that). The quantized bytes are concatenated, never dequantized."""
     infos = [gguf.tensors[n] for n in names]
+    quantizing = getattr(backend, "quantizes_at_load", False) and infos[0].qtype in getattr(backend, "FLOAT_TYPES", ())
     if (len({i.qtype for i in infos}) != 1 or len({i.cols for i in infos}) != 1
-            or not hasattr(backend, "split_cols") or getattr(backend, "quantizes_at_load", False)):
+            or not hasattr(backend, "split_cols") or quantizing):
         return None
     raw = np.concatenate([gguf.tensor_bytes(n) for n in names])
     return backend.weight_from_raw(raw, infos[0].qtype, sum(i.rows for i in infos), infos[0].cols)
