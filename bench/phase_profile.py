@@ -65,7 +65,7 @@ _SIGNATURES = [
 # (indent, start of a statement of _team_member, index in PHASES of the phase that ends there).
 _BOUNDARIES = [
     (" " * 8, "phase = _PHASES * li\n", 8),  # the layer before's second norm (the first layer: nothing)
-    (" " * 8, "# Items differ in length", 1),
+    (" " * 8, "while True:  # items differ", 1),
     (" " * 8, "if not items_quantize:  # a member", 2),
     (" " * 8, "_add_rmsnorm_quantize_rows(x, o,", 3),
     (" " * 8, "if not _gemm_phases(q_d, qtypes[li, GATE_UP]", 4),

@@ -188,15 +188,15 @@ def test_the_team_runs_with_openmp(tmp_path, monkeypatch) -> None:
 
 
 def test_kv_prefetch_for_the_next_layer_reads_into_l2_and_changes_nothing():
-    """The down matmul asks for the next layer's keys and values (`_gemm_claimed`): any run of attention items,
-    the empty one included, with key runs split (a context past DECODE_SPLIT_KEYS) and query heads in
-    subgroups, positions below and past PREFETCH_KV_ROWS and at 0, leaves the pools as they were; and the
-    prefetch is prefetcht1 (into L2: L1 holds the matmul's own data), no prefetcht0."""
+    """The down matmul asks for the next layer's keys and values (`_gemm_claimed`): any run of (sequence,
+    kv head) pairs, the empty one included, positions below and past PREFETCH_KV_ROWS and at 0, leaves the
+    pools as they were; and the prefetch is prefetcht1 (into L2: L1 holds the matmul's own data), no
+    prefetcht0."""
     import numba
 
     from pantheon.kernels.cpu import decode_layers, ops
 
-    ctx, n_kv, head_dim, n_q = ops.DECODE_SPLIT_KEYS + 300, 2, 64, 6
+    n_seqs, ctx, n_kv, head_dim = 3, 300, 2, 64
     rng = np.random.default_rng(7)
     pools = []
     for _ in range(2):
@@ -204,47 +204,16 @@ def test_kv_prefetch_for_the_next_layer_reads_into_l2_and_changes_nothing():
         pool[...] = rng.standard_normal(pool.shape).astype(np.float16)
         pools.append(pool)
     before = [pool.copy() for pool in pools]
-    probe = numba.njit(decode_layers._prefetch_kv_items.py_func)  # uncached: its assembly is at hand
+    slots = np.array([2, 0, 3], dtype=np.int32)
+    positions = np.array([0, 57, decode_layers.PREFETCH_KV_ROWS + 90], dtype=np.int32)
+    probe = numba.njit(decode_layers._prefetch_kv_pairs.py_func)  # uncached: its assembly is at hand
     views = [ops.kernel_view(pool) for pool in pools]
-    for slots, positions in [(np.array([2, 0, 3], dtype=np.int32),
-                              np.array([0, 57, ops.DECODE_SPLIT_KEYS + 90], dtype=np.int32)),
-                             (np.array([1], dtype=np.int32), np.array([decode_layers.PREFETCH_KV_ROWS + 5], np.int32))]:
-        first_item, per_subgroup, n_subgroups, _ = ops._decode_layout(len(slots), n_q, n_kv, 4, ctx, slots,
-                                                                       positions, True)
-        layout = (first_item, per_subgroup, n_subgroups, n_q // n_kv)
-        n_items = first_item[len(slots)]
-        for first, end in [(0, 0), (0, n_items), (1, 4), (n_items - 1, n_items)]:
-            probe(views[0], views[1], slots, positions, layout, first, end)
+    for first, end in [(0, 0), (0, n_seqs * n_kv), (1, 4), (5, 6)]:
+        probe(views[0], views[1], slots, positions, first, end)
     for pool, old in zip(pools, before):
         np.testing.assert_array_equal(pool, old)
     asm = probe.inspect_asm(probe.signatures[0])
     assert "prefetcht1" in asm and "prefetcht0" not in asm
-
-
-@pytest.mark.parametrize(("n_items", "n_threads"), [(24, 2), (7, 2), (1, 2), (10, 3), (0, 2), (5, 1)])
-def test_attention_items_go_to_one_member_each_own_share_first(n_items, n_threads):
-    """`_claim_item`: members claiming in any interleaving take every item once; each takes its own share
-    (`team.span`) before any other's."""
-    from pantheon.kernels.cpu import decode_layers, team
-
-    rng = np.random.default_rng(n_items * 10 + n_threads)
-    claims = team.new_claims(3 + n_threads)
-    owners = list(range(n_threads))  # the share each member claims from now
-    done = [False] * n_threads
-    taken: list[list[int]] = [[] for _ in range(n_threads)]
-    while not all(done):
-        t = int(rng.choice([m for m in range(n_threads) if not done[m]]))
-        item = decode_layers._claim_item(claims, 3, owners[t], n_items, n_threads)
-        if item < 0:
-            owners[t] = (owners[t] + 1) % n_threads
-            done[t] = owners[t] == t
-            continue
-        taken[t].append(item)
-    assert sorted(i for member in taken for i in member) == list(range(n_items))
-    for t in range(n_threads):
-        lo, hi = team.span(n_items, t, n_threads)
-        own = [i for i in taken[t] if lo <= i < hi]
-        assert taken[t][:len(own)] == own  # its own share's items come first
 
 
 @pytest.mark.parametrize("n_rows", [1, 3, 8])

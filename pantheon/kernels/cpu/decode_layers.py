@@ -45,8 +45,7 @@ log = logging.getLogger("pantheon.kernels")
 # The matrices of a layer, in the order of `DecodePlan.qtypes` / `rows` columns.
 QKV, OUT, GATE_UP, DOWN = 0, 1, 2, 3
 # Claimed phases of a layer in `_team_layers` (its four matmuls and the attention), numbered from 5 * layer;
-# the output matmul is phase 5 * n_layers. The attention claims its items from counters of its own, one per
-# member and layer, after those (`_claim_item`).
+# the output matmul is phase 5 * n_layers.
 _PHASES = 5
 
 
@@ -125,47 +124,25 @@ def _add_rmsnorm_quantize_rows(residual, delta, weight, eps, out, xq, xd, xs, fl
         _quantize_rows(out, xq, xd, xs, flip, r, r + 1)
 
 
-# Keys (and as many values) per attention item that the down matmul asks for: 128 rows of SmolLM2's
-# float16 kv heads are 16 KB each, 24 items at batch 8 ~390 KB a core, well inside its L2 beside the down
-# matrix's stream; longer contexts get their first rows ahead and the rest from the attention's own
-# prefetches (`ops._attend_group`).
+# Keys (and as many values) per sequence and kv head that the down matmul asks for: 128 rows of SmolLM2's
+# float16 kv heads are 16 KB each, 24 (sequence, kv head) pairs at batch 8 ~390 KB a core, well inside its L2
+# beside the down matrix's stream; longer contexts get their first rows ahead and the rest from the
+# attention's own prefetches (`ops._attend_group`).
 PREFETCH_KV_ROWS = 128
 _prefetch_rows_l2 = attend_ir.prefetch_rows_intrinsic(locality=2)
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
-def _prefetch_kv_items(k_pool, v_pool, slots, positions, layout, first, end):
-    """Prefetch into L2 the first PREFETCH_KV_ROWS keys and values of the key runs that the decode attention
-    items first .. end - 1 read (`ops._decode_item`; layout = (first_item, per_subgroup, n_subgroups, group):
-    items that differ only in their query heads share a run, asked for once)."""
-    first_item, per_subgroup, n_subgroups, group = layout
+def _prefetch_kv_pairs(k_pool, v_pool, slots, positions, first, end):
+    """Prefetch into L2 the first PREFETCH_KV_ROWS keys and values that a decode attention reads for the
+    (sequence, kv head) pairs first .. end - 1 (pair = sequence * n_kv_heads + kv head)."""
     n_kv_heads = k_pool.shape[2]
-    for item in range(first, end):
-        b, _, kvh, h0, _, k_lo, k_hi = ops._decode_item(item, first_item, per_subgroup, n_subgroups, group,
-                                                       n_kv_heads, positions)
-        if h0 != kvh * group:
-            continue
-        rows = np.int64(min(k_hi - k_lo, PREFETCH_KV_ROWS))
-        _prefetch_rows_l2(k_pool[slots[b]], np.int64(kvh), np.int64(k_lo), np.int64(k_lo + rows))
-        _prefetch_rows_l2(v_pool[slots[b]], np.int64(kvh), np.int64(k_lo), np.int64(k_lo + rows))
-
-
-@numba.njit(cache=True, nogil=True, error_model="numpy")
-def _claim_item(claims, first_counter, owner, n_items, n_threads):
-    """The next unclaimed attention item of member `owner`'s share (`team.span` of the items), or -1 when that
-    share is all claimed. Each member takes its own share first (the items whose keys and values its down
-    matmul asked into its core's L2, `_gemm_claimed`), then helps with the others' (their counters are
-    claims[first_counter + member]), so an item goes to one member only and a slowed member's items still get
-    done. Items claimed from one shared counter alternated between the members, so that each read half its
-    items from the other core's prefetches, and the kv heads of one sequence, whose rows lie side by side,
-    went to different cores. `bench/batch_ab.py` on the 2-core Zen 3 VM (2026-12-04), batch-8 medians of
-    the rounds: a first cut (own shares, the old per-pair prefetch) 559 -> 658 and, trees in the other order,
-    564 -> 585 tok/s (4 processes of 4 rounds a tree); this code 543 -> 579 (6 processes; per process 533,
-    592, 525, 532, 554, 569 -> 499, 617, 581, 629, 573, 606); batch 1 within noise (189 / 201). Who
-    computes an item changes no bits."""
-    lo, hi = team.span(n_items, owner, n_threads)
-    item = lo + team.claim(claims, first_counter + owner)
-    return item if item < hi else -1
+    for pair in range(first, end):
+        b = pair // n_kv_heads
+        kvh = np.int64(pair % n_kv_heads)
+        rows = np.int64(min(positions[b], PREFETCH_KV_ROWS))
+        _prefetch_rows_l2(k_pool[slots[b]], kvh, np.int64(0), rows)
+        _prefetch_rows_l2(v_pool[slots[b]], kvh, np.int64(0), rows)
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
@@ -173,15 +150,14 @@ def _gemm_claimed(qtype, packed, xq, xd, xs, out, claims, phase, n_threads, kv):
     """This member's part of a matmul the team shares out by claiming chunks of weight groups (`team.claim_chunk`).
     An output's bits do not depend on who computes it. The smallest chunk is about a microsecond of work.
 
-    kv = (k_pool, v_pool, slots, positions, layout, first, end): between its chunks the member also asks for the
-    keys and values of attention items first .. end - 1 (`_prefetch_kv_items`), in step with the matmul's
-    progress; an empty run asks for nothing. The layers' down matmul passes the items the member takes first in
-    the next layer's attention (its own share, `_claim_item`): the weights stream through every cache level
-    during a step and evict the caches' keys and values, so decode attention waited on memory for them (a lone
-    launch at batch 8, context ~110, 2 threads: 40 us a layer with its data in cache, 82 us with it evicted),
-    and at batch 8 the down matmul is bound by its arithmetic, not its weights, which leaves the memory bus
-    room."""
-    k_pool, v_pool, slots, positions, layout, kv_first, kv_end = kv
+    kv = (k_pool, v_pool, slots, positions, first, end): between its chunks the member also asks for the keys
+    and values of (sequence, kv head) pairs first .. end - 1 (`_prefetch_kv_pairs`), in step with the matmul's
+    progress; an empty run asks for nothing. The layers' down matmul passes the member's share of the next
+    layer's: the weights stream through every cache level during a step and evict the caches' keys and values,
+    so decode attention waited on memory for them (a lone launch at batch 8, context ~110, 2 threads: 40 us a
+    layer with its data in cache, 82 us with it evicted), and at batch 8 the down matmul is bound by its
+    arithmetic, not its weights, which leaves the memory bus room."""
+    k_pool, v_pool, slots, positions, kv_first, kv_end = kv
     n_groups = packed.shape[0]
     min_chunk = max(2, 16 // xq.shape[0])
     # Claimed in pairs of groups: the wide kernels take two a call (int8dot.INT8_WIDE).
@@ -193,10 +169,10 @@ def _gemm_claimed(qtype, packed, xq, xd, xs, out, claims, phase, n_threads, kv):
             break
         # Up to the same fraction of the pairs as of the matmul claimed so far.
         upto = kv_first + (kv_end - kv_first) * hi // n_pairs
-        _prefetch_kv_items(k_pool, v_pool, slots, positions, layout, asked, upto)
+        _prefetch_kv_pairs(k_pool, v_pool, slots, positions, asked, upto)
         asked = max(asked, upto)
         int8dot._gemm_groups(qtype, packed, xq, xd, xs, out, 2 * lo, min(n_groups, 2 * hi))
-    _prefetch_kv_items(k_pool, v_pool, slots, positions, layout, asked, kv_end)
+    _prefetch_kv_pairs(k_pool, v_pool, slots, positions, asked, kv_end)
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
@@ -248,11 +224,9 @@ def _team_member(t, n_threads, spin_limit, sync, claims, x, h, qtypes, rows, fli
     # Every phase ends at a barrier; one that fails (the team given up) leaves the layers, and every later
     # barrier fails at once.
     u = team.unowned
-    # This member's own attention items (`_claim_item`), which the down matmuls ask memory for, and the
-    # empty run for the other matmuls.
-    layout = (first_item, per_subgroup, n_subgroups, attn.shape[1] // k_pools[0].shape[2])
-    kv_lo, kv_hi = team.span(n_items, t, n_threads)
-    no_kv = (u(k_pools[0]), u(v_pools[0]), slots, positions, layout, kv_hi, kv_hi)
+    # This member's (sequence, kv head) pairs for the down matmuls' prefetch, and the empty run for the others.
+    kv_lo, kv_hi = team.span(n_seqs * k_pools[0].shape[2], t, n_threads)
+    no_kv = (u(k_pools[0]), u(v_pools[0]), slots, positions, kv_hi, kv_hi)
     head_dim = attn.shape[2]
     # With no sequence's keys split into runs, an item's output rows are final when it ends, and it quantizes
     # them for the out matmul itself (whole blocks of QK values: head_dim a multiple of QK): no barrier between
@@ -271,15 +245,10 @@ def _team_member(t, n_threads, spin_limit, sync, claims, x, h, qtypes, rows, fli
         if not _gemm_phases(q_d, qtypes[li, QKV], w_layer[QKV], qkv, claims, phase, sync, t, n_threads, spin_limit,
                             no_kv):
             break
-        # Items differ in length (each sequence its own context): claimed one by one, a member's own first.
-        owner = np.int64(t)  # (a prange index may be unsigned: unsigned and signed mixed are a float in numba)
-        while True:
-            item = _claim_item(claims, _PHASES * len(w_qkv) + 1 + li * n_threads, owner, n_items, n_threads)
-            if item < 0:
-                owner = np.int64((owner + 1) % n_threads)
-                if owner == t:
-                    break
-                continue
+        while True:  # items differ in length (each sequence its own context): claimed one by one
+            item = team.claim(claims, phase + 1)
+            if item >= n_items:
+                break
             b, h0, n_heads = ops._attention_qkv_item(item, qkv, False, cos_table, sin_table, k_pool, v_pool, slots,
                                                      positions, scale32, attn, first_item, per_subgroup, n_subgroups,
                                                      part_max, part_sum, part_acc, scratch)
@@ -304,7 +273,7 @@ def _team_member(t, n_threads, spin_limit, sync, claims, x, h, qtypes, rows, fli
         _swiglu_quantize_span(gate_up, ff, q_f[0], q_f[1], q_f[2], flips[li, DOWN], t, n_threads)
         # The down matmul asks for this member's share of the next layer's keys and values as it goes.
         next_kv = no_kv if li + 1 == len(w_qkv) else (u(k_pools[li + 1]), u(v_pools[li + 1]), slots, positions,
-                                                       layout, kv_lo, kv_hi)
+                                                       kv_lo, kv_hi)
         if not _gemm_phases(q_f, qtypes[li, DOWN], w_layer[DOWN], d, claims, phase + 4, sync, t, n_threads,
                             spin_limit, next_kv):
             break
@@ -355,7 +324,7 @@ def _team_step(n_threads, spin_limit, tokens, embd_qtype, embd_data, first_norm,
            np.empty((n_seqs, ffn // qk), dtype=np.float32))
     logits = np.empty((n_seqs, out_rows), dtype=np.float32)
     sync = team.new_sync(n_threads)
-    claims = team.new_claims(_PHASES * len(w_qkv) + 1 + n_threads * len(w_qkv))
+    claims = team.new_claims(_PHASES * len(w_qkv) + 1)
     _team_layers(n_threads, spin_limit, sync, claims, x, h, qtypes, rows, flips, w_qkv, w_out, w_gate_up, w_down,
                  ffn_norms, next_norms, eps, k_pools, v_pools, slots, positions, cos_table, sin_table, scale,
                  first_item, per_subgroup, n_subgroups, max_splits, part_max, part_sum, part_acc,
