@@ -3,12 +3,13 @@
     .venv/bin/python bench/batch_ab.py OLD_TREE NEW_TREE [--pairs 5] [--rounds 6] [--tokens 128]
     git worktree add /tmp/old HEAD~1 && .venv/bin/python bench/batch_ab.py /tmp/old .
 
-Each tree (a checkout of this repository) runs in its own process, one after the other, `--pairs` times.
-A process decodes, round after round, 1 sequence then the 8 bench prompts together (`bench.batched`'s
-decoder, greedy, 2 threads), and reports each round's pair of rates. The 2-core VMs here change speed by
-+-15% from one process to the next, more than most single changes move, while the two rates of one round
-move together: so the comparison is over many processes, as the median and 90th percentile of the rounds,
-and per process. The processes share this machine with nothing else; do not run it beside other work.
+Each tree (a checkout of this repository) runs in its own process, one after the other, `--pairs` times; the
+trees take turns going first. A process decodes, round after round, 1 sequence then the 8 bench prompts
+together (`bench.batched`'s decoder, greedy, 2 threads), and reports each round's pair of rates. The 2-core
+VMs here change speed by +-15% from one process to the next, more than most single changes move, while the
+two rates of one round move together: so the comparison is over many processes, as the median and 90th
+percentile of the rounds, and per process. The processes share this machine with nothing else; do not run it
+beside other work.
 """
 
 from __future__ import annotations
@@ -61,8 +62,11 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     args = ap.parse_args()
     runs: dict[Path, list[list[tuple[float, float]]]] = {tree: [] for tree in args.trees}
-    for _ in range(args.pairs):
-        for tree in args.trees:
+    # The trees' order flips from one pair to the next (A B, B A, ...): on the 2-core Zen 3 VM (2026-12-04) the
+    # same two trees gave batch-8 medians +6.6% with the new tree second in every pair and -3.6% with it first,
+    # and a phase profile then showed the change did nothing: the second process of a pair had run faster.
+    for i in range(args.pairs):
+        for tree in args.trees if i % 2 == 0 else args.trees[::-1]:
             runs[tree].append(_rounds(tree.resolve(), args.rounds, args.tokens))
     print(f"{args.pairs} processes x {args.rounds} rounds per tree, {args.tokens} tokens, 1 and 8 streams, 2 threads")
     print(f"{'tree':30} {'B1 med':>7} {'B1 p90':>7} {'B8 med':>7} {'B8 p90':>7} {'B8/B1 med':>9}  B8 per process")
