@@ -116,7 +116,6 @@ class QuantizeAtLoad:
 
     FLOAT_TYPES = (0, 1, 30)
     Q8_0 = 8
-    quantizes_at_load = True
 
     def __init__(self, inner: Any, quantized: list[int] | None = None) -> None:
         self._inner = inner
@@ -146,9 +145,14 @@ class QuantizeAtLoad:
         hybrids, must not lose `quantize: true` on the way)."""
         return QuantizeAtLoad(self._inner.without_int8(), self.quantized)
 
+    def quantizes(self, info: Any) -> bool:
+        """Whether the tensor `info` (a GGUF tensor's info) is quantized as it is loaded: a float matrix whose
+        rows are whole Q8_0 blocks. Others load as they are (`weight`), so a model may stack them (llama.py)."""
+        return info.qtype in self.FLOAT_TYPES and info.cols % 32 == 0 and len(info.shape) >= 2
+
     def weight(self, gguf: GGUFFile, name: str) -> Any:
         info = gguf.tensors[name]
-        if info.qtype not in self.FLOAT_TYPES or info.cols % 32 or len(info.shape) < 2:
+        if not self.quantizes(info):
             return self._inner.weight(gguf, name)
         from gguf import GGMLQuantizationType, quants
 

@@ -82,12 +82,12 @@ class LlamaBlock:
 
 def _stacked(gguf: GGUFFile, backend: Any, names: list[str]) -> Any:
     """One matrix made of the named matrices' rows, or None when their types or widths differ, the backend
-    cannot take such a matrix, or it would quantize them at load (`quantize: true` on float matrices: bytes
-    concatenated here would skip that). The quantized bytes are concatenated, never dequantized."""
+    cannot take such a matrix, or it would quantize them at load (`QuantizeAtLoad.quantizes`: bytes concatenated
+    here would skip that). The quantized bytes are concatenated, never dequantized."""
     infos = [gguf.tensors[n] for n in names]
-    quantizing = getattr(backend, "quantizes_at_load", False) and infos[0].qtype in getattr(backend, "FLOAT_TYPES", ())
+    quantizes = getattr(backend, "quantizes", None)
     if (len({i.qtype for i in infos}) != 1 or len({i.cols for i in infos}) != 1
-            or not hasattr(backend, "split_cols") or quantizing):
+            or not hasattr(backend, "split_cols") or (quantizes is not None and any(map(quantizes, infos)))):
         return None
     raw = np.concatenate([gguf.tensor_bytes(n) for n in names])
     return backend.weight_from_raw(raw, infos[0].qtype, sum(i.rows for i in infos), infos[0].cols)

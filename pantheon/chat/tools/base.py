@@ -8,11 +8,12 @@ start, argument fragments, call end, call error), keeping only the text it has n
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import secrets
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from pantheon.chat.tools.arguments import resolved_schema, streams_as_string, type_value
@@ -24,12 +25,12 @@ class ToolSpec:
     name: str
     description: str
     parameters: dict  # JSON schema of the arguments object, as the request sent it (the prompt shows this)
-    # The same with its $refs inlined and allOf merged (`resolved_schema`): what grammars and typing read.
-    arguments_schema: dict = field(default_factory=dict, compare=False)
 
-    def __post_init__(self) -> None:
-        if not self.arguments_schema:
-            object.__setattr__(self, "arguments_schema", resolved_schema(self.parameters))
+    @functools.cached_property
+    def arguments_schema(self) -> dict:
+        """`parameters` with its $refs inlined and allOf merged (`resolved_schema`): what the call grammars and
+        the argument typing read. Not to be changed: it is resolved once per tool."""
+        return resolved_schema(self.parameters)
 
     def parameter_schema(self, key: str) -> dict | None:
         """The schema of one argument, or None when the tool does not declare it."""

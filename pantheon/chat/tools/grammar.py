@@ -95,7 +95,7 @@ def json_object_grammar(schema: dict | None, *, think: str = "none") -> str:
     """A Lark grammar for one JSON object (valid for `schema` when given), after an optional think block."""
     if think not in THINK:
         raise ValueError(f"think must be one of {THINK}, not {think!r}")
-    target = _json_schema(schema) if schema else {"type": "object", "x-guidance": dict(_JSON_OPTIONS)}
+    target = _json_schema(resolved_schema(schema)) if schema else {"type": "object", "x-guidance": dict(_JSON_OPTIONS)}
     return f"start: {_PRELUDE[think]} WS? answer\nanswer: %json {_dump(target)}\n" + _COMMON
 
 
@@ -234,10 +234,11 @@ def _dump(schema: Any) -> str:
     return json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
 
 
-def _json_schema(schema: Any, *, root: bool = True) -> dict:
-    """A schema made ready for %json: `resolved_schema` (local $refs inlined, allOf merged, `$schema` dropped),
-    unsupported keywords ignored (lenient) rather than failing the grammar."""
-    out = resolved_schema(schema)
+def _json_schema(schema: dict, *, root: bool = True) -> dict:
+    """A schema already through `resolved_schema` (a tool's `arguments_schema` or a part of it) made ready for
+    %json: a copy, typed "object" where it has properties, lenient about keywords llguidance lacks (ignored
+    rather than failing the grammar) at the root."""
+    out = dict(schema)
     if "properties" in out and "type" not in out:
         out["type"] = "object"
     if root:
