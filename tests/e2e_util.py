@@ -219,7 +219,10 @@ class Streamer:
 
     def close(self) -> None:
         """Hang up mid-stream (the server must notice and free the slot / leave the queue). The socket is
-        shut down under the reading thread, so the hang-up happens now even while that thread is blocked."""
+        shut down under the reading thread, so the hang-up happens now even while that thread is blocked.
+        Before the response headers (a stream still queued) httpx exposes no socket, and closing the client does
+        not wake the blocked thread: the request then ends only when the server answers it. A test that hangs
+        up a queued request sends it on a raw socket instead."""
         self._closing = True
         response = self._response
         if response is not None:
