@@ -65,9 +65,10 @@ def main() -> None:
         for a in range(0, len(tokens), PREFILL_CHUNK):
             model.forward(state, [BatchRow(0, tokens[a:a + PREFILL_CHUNK], a)])
         seconds = time.perf_counter() - started
-        runs.append({"seconds": seconds, "tok_s": len(tokens) / seconds, "attention_share": backend.attention_s / seconds})
-        print(f"{len(tokens)} tokens in chunks of {PREFILL_CHUNK}: {seconds:.1f} s ({len(tokens) / seconds:.0f} tok/s), "
-              f"attention {backend.attention_s:.1f} s ({backend.attention_s / seconds:.0%})")
+        share = backend.attention_s / seconds
+        runs.append({"seconds": seconds, "tok_s": len(tokens) / seconds, "attention_share": share})
+        print(f"{len(tokens)} tokens in chunks of {PREFILL_CHUNK}: {seconds:.1f} s ({len(tokens) / seconds:.0f} "
+              f"tok/s), attention {backend.attention_s:.1f} s ({share:.0%})")
     result = {"args": vars(args), "chunk": PREFILL_CHUNK, "runs": runs,
               "median": {key: median([r[key] for r in runs]) for key in runs[0]}}
     print(f"wrote {write_result('long-prefill', result)}")
