@@ -2,7 +2,8 @@
 
 The loop admits queued jobs into slots (the session table picks the slot and how much of the prompt it
 already holds), then runs one step in a worker thread: either prefill chunks (of as many waiting prompts as
-fit in `prefill_chunk` tokens, in FIFO order; one prompt a step for recurrent models) or one decode token for
+fit in `prefill_chunk` tokens, taking turns: least recently served first, never-served ones in admission order
+(`_plan`); one prompt a step for recurrent models) or one decode token for
 every decoding job — one forward pass, weights read once for the whole batch — and samples. For attention
 (rewindable) models decode steps then go on back to back on the forward thread while nothing needs a new
 plan (`_decode_run`), each step's tokens delivered here while the next one computes.
