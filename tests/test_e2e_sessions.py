@@ -127,13 +127,27 @@ def server(default_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -
 
 @pytest.fixture(scope="module")
 def cold(server: ServerProcess) -> dict[str, Any]:
-    """The France conversation served cold, turn by turn (no session id): the reference every resumed turn
-    must equal."""
-    first = chat(server, req(FRANCE))
+    """The France conversation served cold, turn by turn (no session id, `cache_prompt: false`): the reference
+    every resumed turn must equal."""
+    first = chat(server, req(FRANCE, cache_prompt=False))
     second_messages = follow_up(FRANCE, content_of(first))
-    second = chat(server, req(second_messages))
+    second = chat(server, req(second_messages, cache_prompt=False))
     assert cached_of(first) == cached_of(second) == 0
     return {"first": first, "second": second, "second_messages": second_messages}
+
+
+def test_a_stateless_conversation_resumes_from_its_last_turn_and_equals_cold(server: ServerProcess,
+                                                                              cold: dict[str, Any]) -> None:
+    """Without a session id, a client that resends the whole conversation each turn resumes from what its
+    previous turn left in a free slot (llama.cpp's `cache_prompt`, on by default), with the same tokens."""
+    first = chat(server, req(FRANCE))
+    assert content_of(first) == content_of(cold["first"])
+    second = chat(server, req(cold["second_messages"]))
+    assert cached_of(second) >= first["usage"]["prompt_tokens"], second["usage"]
+    assert second["choices"][0]["message"] == cold["second"]["choices"][0]["message"]
+    again = chat(server, req(cold["second_messages"], cache_prompt=False))
+    assert cached_of(again) == 0
+    assert again["choices"][0]["message"] == cold["second"]["choices"][0]["message"]
 
 
 _ids = iter(range(10**6))

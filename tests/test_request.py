@@ -119,6 +119,7 @@ def test_replayed_calls_take_json_text_or_an_object_as_arguments() -> None:
     {"messages": MSG, "max_tokens": 2.5}, {"messages": MSG, "n": 1.5}, {"messages": MSG, "top_k": 1.5},
     {"messages": MSG, "seed": True}, {"messages": MSG, "session_id": 5}, {"messages": MSG, "prompt_cache_key": ["a"]},
     {"messages": MSG, "min_p": "x"}, {"messages": MSG, "parallel_tool_calls": "no"},
+    {"messages": MSG, "cache_prompt": "false"},
     # Replayed calls: OpenAI's shape (an object whose function has a name and JSON-text arguments).
     *({"messages": [{"role": "assistant", "content": None, "tool_calls": calls}]} for calls in (
         "x", [1], [{"id": "c"}], [{"function": "f"}], [{"function": {"arguments": "{}"}}],
@@ -129,6 +130,11 @@ def test_invalid_bodies_are_400(body: object) -> None:
     with pytest.raises(ApiError) as info:
         parse_chat_request(body)
     assert info.value.status == 400 and info.value.error_type == "invalid_request_error"
+
+
+def test_cache_prompt_defaults_to_true() -> None:
+    assert parse_chat_request({"messages": MSG}).cache_prompt is True
+    assert parse_chat_request({"messages": MSG, "cache_prompt": False}).cache_prompt is False
 
 
 def test_a_developer_message_is_a_system_message() -> None:

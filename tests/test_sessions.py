@@ -46,11 +46,67 @@ def test_cache_always_leaves_a_token_to_compute() -> None:
     assert run_turn(t, "s", prompt, []) == 49
 
 
-def test_stateless_turns_keep_nothing() -> None:
+def run_stateless(t: SessionTable, prompt: list[int], generated: list[int], reuse: bool = True
+                  ) -> tuple[int, int]:
+    """(slot index, cached tokens) of a stateless turn."""
+    a = t.assign(None, prompt, reuse=reuse)
+    assert a is not None
+    a.slot.tokens[:] = prompt + generated
+    t.finish(a.slot)
+    return a.slot.index, a.cached_tokens
+
+
+def test_stateless_turns_resume_from_what_an_earlier_one_left() -> None:
     t, _ = table()
-    run_turn(t, None, list(range(30)), [1])
-    assert run_turn(t, None, list(range(30)), [1]) == 0
+    system = list(range(100))
+    first, cached = run_stateless(t, system + [500, 501], [7, 8])
+    assert cached == 0
+    # The whole conversation resent with the reply and a new message: resumes in the same slot.
+    slot, cached = run_stateless(t, system + [500, 501, 7, 8, 600], [9])
+    assert (slot, cached) == (first, 104)
+    # The same prompt again: all but one token.
+    slot, cached = run_stateless(t, system + [500, 501, 7, 8, 600], [9])
+    assert (slot, cached) == (first, 104)
     assert t.live_sessions() == []
+
+
+def test_a_stateless_turn_sharing_too_little_leaves_the_caches_alone() -> None:
+    t, _ = table()
+    kept, _ = run_stateless(t, list(range(100)), [1])
+    # Shares 10 of 40 tokens (< STATELESS_REUSE_FRACTION): an empty slot, cold; the first cache stays whole.
+    other, cached = run_stateless(t, list(range(10)) + list(range(1000, 1030)), [2])
+    assert other != kept and cached == 0
+    assert run_stateless(t, list(range(100)) + [5], [])[1] == 100
+
+
+def test_cache_prompt_false_starts_a_stateless_turn_cold() -> None:
+    t, _ = table()
+    run_stateless(t, list(range(50)), [1])
+    assert run_stateless(t, list(range(50)), [1], reuse=False)[1] == 0
+    # A session's first turn does not take over an anonymous cache's slot while an empty one is free.
+    t2, _ = table(n_slots=2)
+    anonymous, _ = run_stateless(t2, list(range(50)), [1])
+    a = t2.assign("s", list(range(50)))
+    assert a is not None and a.slot.index != anonymous and a.cached_tokens == 0
+
+
+def test_busy_and_failed_stateless_slots_are_not_reused() -> None:
+    t, _ = table(n_slots=2)
+    prompt = list(range(40))
+    busy = t.assign(None, prompt)
+    assert busy is not None
+    busy.slot.tokens[:] = prompt
+    other = t.assign(None, prompt)  # the slot holding the prefix is mid-turn
+    assert other is not None and other.slot is not busy.slot and other.cached_tokens == 0
+    t.finish(busy.slot, keep=False)  # a failed turn: its state may be half-written
+    assert not busy.slot.tokens
+    t.finish(other.slot)
+
+
+def test_recurrent_models_keep_no_stateless_cache() -> None:
+    t, _ = table(rewindable=False)
+    run_stateless(t, list(range(30)), [1])
+    assert run_stateless(t, list(range(30)) + [1, 2], [1])[1] == 0
 
 
 def test_two_conversations_under_one_id_each_resume() -> None:

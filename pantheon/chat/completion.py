@@ -117,6 +117,7 @@ async def start_completion(instance: ModelInstance, request: ChatRequest, env: E
         grammar = structure.grammar_controller(served, plan)
         job = GenerationJob(prompt=prompt.tokens, sampling=_sampling(request, i), max_tokens=request.max_tokens,
                             stop_ids=stop_ids, session_key=request.session_id if i == 0 else None,
+                            cache_prompt=request.cache_prompt,
                             constraint=_controller(served, request, prompt, grammar),
                             history_end=prompt.history_end, request=completion)
         try:

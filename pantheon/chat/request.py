@@ -53,6 +53,9 @@ class ChatRequest:
     tool_choice: Any = "auto"
     parallel_tool_calls: bool = True  # False: one call at most (later ones are dropped)
     session_id: str | None = None
+    # llama.cpp's field: False starts a request without a session id cold instead of from what an earlier one
+    # left in a free slot (`SessionTable`); the tokens are the same either way.
+    cache_prompt: bool = True
 
 
 def _number(body: Mapping[str, Any], key: str, default: float) -> float:
@@ -275,4 +278,5 @@ def parse_chat_request(body: Any, *, header_session: str | None = None) -> ChatR
         tool_choice=tool_choice,
         parallel_tool_calls=bool(_boolean(body, "parallel_tool_calls", True)),
         session_id=_session_key(body, header_session),
+        cache_prompt=bool(_boolean(body, "cache_prompt", True)),
     )

@@ -3,7 +3,12 @@
 A slot is one sequence's state in the model's state pool. A session id owns up to
 `conversations_per_session` slots (one per conversation: opencode sends its title request and its real
 turns under one id); a turn resumes from the owned slot whose tokens its prompt continues, and computes only
-the rest. Stateless turns (no id) use slots no session owns; the pool is sized so they always find one.
+the rest. Stateless turns (no id) use slots no session owns; the pool is sized so they always find one. On
+a rewindable model such a slot keeps its tokens after the turn, as an anonymous prefix cache: a later
+stateless turn that shares at least STATELESS_REUSE_FRACTION of its prompt with one (a client resending
+the whole conversation each turn, or the same long system prompt) resumes from it, as llama.cpp's server
+does with its slots. A resumed prefix gives the bits of a cold prefill (attention reads a cached position
+as it would have computed it), so only the time changes.
 
 `max_sessions` counts ids. A new id when that many ids are live is refused with
 429 `model_at_session_capacity`; ids idle past the TTL are reaped first, unless a watch holds them.
@@ -22,6 +27,9 @@ from pantheon.errors import ApiError
 # generation prompt began (the slot's anchor); the reply after it may re-render differently. Restored slots
 # have no known anchor: half of their tokens stands in for it.
 CONTINUATION_FRACTION = 0.5
+# A stateless turn resumes from a free unowned slot's tokens when they cover at least this fraction of its
+# prompt; below it, it takes an empty (else the least recently used) slot, leaving the other caches whole.
+STATELESS_REUSE_FRACTION = 0.5
 
 
 @dataclass
@@ -121,8 +129,30 @@ class SessionTable:
         return self.sessions.get(session_id)
 
     def _free_unowned_slot(self) -> SlotInfo | None:
+        """An idle slot no session owns: an empty one first, else the least recently used (its cache goes)."""
         free = [s for s in self.slots if not s.taken and s.session is None]
-        return min(free, key=lambda s: s.last_used) if free else None
+        return min(free, key=lambda s: (len(s.tokens) > 0, s.last_used)) if free else None
+
+    def _stateless_slot(self, prompt: list[int], reuse: bool) -> tuple[SlotInfo, int] | None:
+        """The slot of a turn without a session id and how many of its prompt's tokens it holds already: the
+        free unowned slot sharing the longest prefix with the prompt (at least STATELESS_REUSE_FRACTION of it,
+        one token always left to compute), else an emptied one. None when no unowned slot is free."""
+        if reuse and self.rewindable:
+            best, best_usable = None, 0
+            for slot in self.slots:
+                if slot.taken or slot.session is not None or not slot.tokens:
+                    continue
+                usable = min(common_prefix(slot.tokens, prompt), len(prompt) - 1)
+                if usable > best_usable:
+                    best, best_usable = slot, usable
+            if best is not None and best_usable >= STATELESS_REUSE_FRACTION * len(prompt):
+                best.truncate(best_usable)
+                return best, best_usable
+        slot = self._free_unowned_slot()
+        if slot is None:
+            return None
+        slot.clear()
+        return slot, 0
 
     # -- admission -----------------------------------------------------------------------------------------
     def check_capacity(self, session_id: str | None, reprefill_estimate_s: float | None = None) -> None:
@@ -137,23 +167,24 @@ class SessionTable:
                            f"all {self.max_sessions} session slots hold live sessions; retry later or release "
                            f"one with POST /session/release{estimate}", headers={"Retry-After": "30"})
 
-    def assign(self, session_id: str | None, prompt: list[int], anchor: int | None = None) -> Assignment | None:
+    def assign(self, session_id: str | None, prompt: list[int], anchor: int | None = None, reuse: bool = True
+               ) -> Assignment | None:
         """Pick the slot a turn runs in, or None when every usable slot is busy (the job keeps waiting).
 
-        `anchor`: where this prompt's history ends; it becomes the slot's anchor for the next turn."""
-        assignment = self._assign(session_id, prompt)
+        `anchor`: where this prompt's history ends; it becomes the slot's anchor for the next turn. `reuse`
+        False: a turn without a session id starts cold (the request's `cache_prompt`)."""
+        assignment = self._assign(session_id, prompt, reuse)
         if assignment is not None:
             assignment.slot.anchor = anchor if anchor is not None else len(prompt)
         return assignment
 
-    def _assign(self, session_id: str | None, prompt: list[int]) -> Assignment | None:
+    def _assign(self, session_id: str | None, prompt: list[int], reuse: bool = True) -> Assignment | None:
         now = self.clock()
         if session_id is None:
-            slot = self._free_unowned_slot()
-            if slot is None:
+            got = self._stateless_slot(prompt, reuse)
+            if got is None:
                 return None
-            slot.clear()
-            return self._take(slot, 0, now)
+            return self._take(got[0], got[1], now)
         session = self.sessions.get(session_id)
         if session is None:
             self.check_capacity(session_id)
@@ -248,11 +279,12 @@ class SessionTable:
         return Assignment(slot, cached, conflict, restore, copy_from)
 
     def finish(self, slot: SlotInfo, *, keep: bool = True) -> None:
-        """The turn on `slot` ended. Session slots keep their tokens (the cache); `keep=False` (a failed
-        turn, half-written state) empties the slot."""
+        """The turn on `slot` ended. Its tokens stay (the cache: a session's, or on a rewindable model an
+        anonymous one for later stateless turns); `keep=False` (a failed turn, half-written state) empties the
+        slot, as does a stateless turn on a recurrent model (its state resumes only from its end)."""
         slot.busy = False
         slot.last_used = self.clock()
-        if slot.session is None or not keep:
+        if not keep or slot.session is None and not self.rewindable:
             slot.clear()
         if slot.session is not None:
             session = self.sessions.get(slot.session)

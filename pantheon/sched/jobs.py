@@ -21,6 +21,8 @@ class GenerationJob:
     max_tokens: int
     stop_ids: frozenset[int]
     session_key: str | None = None
+    # Without a session key: may start from a prefix an earlier stateless job left in a free slot.
+    cache_prompt: bool = True
     # Optional token controller (grammar constraint, reasoning budget): see TokenController.
     constraint: Any = None
     # Where the conversation history ends and this turn's generation prompt begins (None when unknown): the

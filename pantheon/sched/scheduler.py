@@ -488,7 +488,8 @@ class Scheduler:
             waiting = self._waiting[0]
             job = waiting.job
             try:
-                assignment = self.sessions.assign(job.session_key, job.prompt, anchor=job.history_end)
+                assignment = self.sessions.assign(job.session_key, job.prompt, anchor=job.history_end,
+                                                  reuse=job.cache_prompt)
             except ApiError as exc:  # the id's session capacity filled up while it waited
                 self._waiting.popleft()
                 self._send(waiting.events, ErrorEvent(exc))
