@@ -150,6 +150,25 @@ def test_a_stateless_conversation_resumes_from_its_last_turn_and_equals_cold(ser
     assert again["choices"][0]["message"] == cold["second"]["choices"][0]["message"]
 
 
+def test_a_new_session_starts_from_the_prefix_another_session_holds(server: ServerProcess) -> None:
+    """opencode's sessions open with the same long system prompt: a new id's first turn copies that prefix from
+    another session's slot (the model copies a slot's prefix), with the tokens of a cold turn."""
+    system = {"role": "system", "content": " ".join([AGENT_SYSTEM] * 8)}
+    a, b = new_id("oc"), new_id("oc")
+    first = chat(server, req([system, *FRANCE], session_id=a, cache_prompt=False))
+    assert cached_of(first) == 0
+    spain = [system, {"role": "user", "content": "What is the capital of Spain?"}]
+    warm = chat(server, req(spain, session_id=b))
+    assert 2 * cached_of(warm) >= warm["usage"]["prompt_tokens"], warm["usage"]
+    assert cached_of(warm) < first["usage"]["prompt_tokens"]
+    assert warm["choices"][0]["message"] == chat(server, req(spain, cache_prompt=False))["choices"][0]["message"]
+    # The source session is untouched: its next turn resumes its own conversation.
+    second = chat(server, req(follow_up([system, *FRANCE], content_of(first)), session_id=a))
+    assert cached_of(second) >= first["usage"]["prompt_tokens"], second["usage"]
+    for sid in (a, b):
+        assert release(server, {"session_id": sid}).status_code == 200
+
+
 _ids = iter(range(10**6))
 
 
@@ -161,7 +180,7 @@ def new_id(prefix: str = "s") -> str:
 
 def test_second_turn_reuses_the_first_and_equals_cold(server: ServerProcess, cold: dict[str, Any]) -> None:
     sid = new_id()
-    first = chat(server, req(FRANCE, session_id=sid))
+    first = chat(server, req(FRANCE, session_id=sid, cache_prompt=False))  # cold: nothing copied from others
     assert cached_of(first) == 0
     assert content_of(first) == content_of(cold["first"])
     second = chat(server, req(cold["second_messages"], session_id=sid))
@@ -211,7 +230,9 @@ def keyed(body: dict[str, Any], keys: dict[str, str]) -> tuple[dict[str, Any], d
 def test_session_key_precedence(server: ServerProcess, winner: str, loser: str) -> None:
     """Order: session_id, prompt_cache_key, promptCacheKey, then X-Session-Id (each adjacent pair here; the
     test below sends all four). The key that wins is the one whose session the turn resumes."""
-    probe = req(FRANCE, max_tokens=2)
+    # cache_prompt false: a new id starts cold instead of copying the probe's prefix from another session's slot,
+    # and a live id still resumes its own conversation.
+    probe = req(FRANCE, max_tokens=2, cache_prompt=False)
     seeded, fresh1, fresh2 = new_id("seed"), new_id("fresh"), new_id("fresh")
     assert cached_of(chat(server, {**probe, "session_id": seeded})) == 0
     # The winner names the seeded session, the loser a fresh one: the turn resumes (winner used).
@@ -290,7 +311,9 @@ def test_two_conversations_sharing_the_default_system_prompt_each_resume(server:
 def test_session_capacity_and_release(default_model_path: Path, tmp_path: Path) -> None:
     s = start_server(default_model_path, tmp_path, "--max-sessions", "1")
     try:
-        probe = req(FRANCE, max_tokens=2)
+        # cache_prompt false: a new (or released) id starts cold rather than from a copy of a stateless turn's
+        # prefix; a live id resumes its own conversation all the same.
+        probe = req(FRANCE, max_tokens=2, cache_prompt=False)
         chat(s, {**probe, "session_id": "A"})
         r = post(s, {**probe, "session_id": "B"})
         error = assert_error(r, 429, "model_at_session_capacity")
@@ -331,7 +354,7 @@ def test_idle_sessions_are_reaped_after_the_ttl(default_model_path: Path, tmp_pa
     s = start_server(default_model_path, tmp_path, "--max-sessions", "1",
                      env={"PN_SESSION_IDLE_TTL_MS": "1000"})
     try:
-        probe = req(FRANCE, max_tokens=2)
+        probe = req(FRANCE, max_tokens=2, cache_prompt=False)  # see test_session_capacity_and_release
         assert cached_of(chat(s, {**probe, "session_id": "old"})) == 0
         assert cached_of(chat(s, {**probe, "session_id": "old"})) > 0  # within the TTL: resumes
         time.sleep(2.5)

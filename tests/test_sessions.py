@@ -83,11 +83,48 @@ def test_cache_prompt_false_starts_a_stateless_turn_cold() -> None:
     t, _ = table()
     run_stateless(t, list(range(50)), [1])
     assert run_stateless(t, list(range(50)), [1], reuse=False)[1] == 0
-    # A session's first turn does not take over an anonymous cache's slot while an empty one is free.
-    t2, _ = table(n_slots=2)
+
+    # A new id's first turn takes over the anonymous cache it continues, which then is the session's.
+    t2, _ = table(n_slots=3)
     anonymous, _ = run_stateless(t2, list(range(50)), [1])
-    a = t2.assign("s", list(range(50)))
-    assert a is not None and a.slot.index != anonymous and a.cached_tokens == 0
+    a = t2.assign("s", list(range(50)) + [1, 2])
+    assert a is not None and (a.slot.index, a.cached_tokens) == (anonymous, 51) and a.slot.session == "s"
+    t2.finish(a.slot)
+    # With cache_prompt false it starts cold in an empty slot, and the anonymous caches stay whole.
+    other, _ = run_stateless(t2, list(range(100, 150)), [1])
+    b = t2.assign("u", list(range(100, 150)), reuse=False)
+    assert b is not None and b.slot.index not in (anonymous, other) and b.cached_tokens == 0
+    b.slot.tokens[:] = list(range(100, 150))
+    t2.finish(b.slot)
+    # ... and its own later turns still resume.
+    assert t2.assign("u", list(range(100, 150)) + [7], reuse=False).cached_tokens == 50  # type: ignore[union-attr]
+
+
+def test_a_new_conversation_starts_from_a_copy_of_another_sessions_prefix() -> None:
+    """opencode's sessions all open with the same long system prompt and tools: a new id's first turn copies
+    that prefix from an idle slot of another session (models that copy prefixes), which stays pinned, and
+    keeps its own conversation, until the copy is done."""
+    t, _ = table(copy_prefixes=True, max_sessions=4)
+    system = list(range(1000))
+    run_turn(t, "a", system + [1, 2, 3], [4, 5])
+    source = t.get("a").slots[0]  # type: ignore[union-attr]
+    b = t.assign("b", system + [7, 8, 9])
+    assert b is not None and b.slot is not source
+    assert (b.cached_tokens, b.copy_from) == (1000, (source.index, 1000)) and b.slot.tokens == system
+    assert source.pins == 1 and source.tokens == system + [1, 2, 3, 4, 5]
+    assert t.assign("a", system + [1, 2, 3, 4, 5, 6]) is None  # a's own turn waits for the copy
+    t.unpin(source.index)
+    assert t.assign("a", system + [1, 2, 3, 4, 5, 6]).cached_tokens == 1005  # type: ignore[union-attr]
+    b.slot.tokens[:] = system + [7, 8, 9, 10]
+    t.finish(b.slot)
+    # A stateless turn copies it too (no anonymous slot holds it); a busy slot (a's, mid-turn) is never a source.
+    c = t.assign(None, system + [42])
+    assert c is not None and c.copy_from is not None and c.copy_from[0] == b.slot.index and c.cached_tokens == 1000
+    t.unpin(c.copy_from[0])
+    # Sharing less than half the prompt, or cache_prompt false: cold.
+    assert t.assign("d", system[:10] + list(range(5000, 5100))).cached_tokens == 0  # type: ignore[union-attr]
+    e = t.assign("e", system + [3], reuse=False)
+    assert e is not None and (e.cached_tokens, e.copy_from) == (0, None)
 
 
 def test_busy_and_failed_stateless_slots_are_not_reused() -> None:

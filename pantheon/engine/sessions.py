@@ -5,10 +5,14 @@ A slot is one sequence's state in the model's state pool. A session id owns up t
 turns under one id); a turn resumes from the owned slot whose tokens its prompt continues, and computes only
 the rest. Stateless turns (no id) use slots no session owns; the pool is sized so they always find one. On
 a rewindable model such a slot keeps its tokens after the turn, as an anonymous prefix cache: a later
-stateless turn that shares at least STATELESS_REUSE_FRACTION of its prompt with one (a client resending
+stateless turn that shares at least SHARED_REUSE_FRACTION of its prompt with one (a client resending
 the whole conversation each turn, or the same long system prompt) resumes from it, as llama.cpp's server
-does with its slots. A resumed prefix gives the bits of a cold prefill (attention reads a cached position
-as it would have computed it), so only the time changes.
+does with its slots. A prompt that starts a new conversation (a new id's first turn; a stateless turn no
+anonymous slot serves) may instead start from a copy of that much of any idle slot's tokens, another
+session's included, where the model can copy a slot's prefix (llama models): opencode's sessions all open
+with the same ~7.5k tokens of system prompt and tools. A request's `cache_prompt: false` turns both off
+(a session still resumes its own conversations). A resumed or copied prefix gives the bits of a cold
+prefill (attention reads a cached position as it would have computed it), so only the time changes.
 
 `max_sessions` counts ids. A new id when that many ids are live is refused with
 429 `model_at_session_capacity`; ids idle past the TTL are reaped first, unless a watch holds them.
@@ -29,7 +33,8 @@ from pantheon.errors import ApiError
 CONTINUATION_FRACTION = 0.5
 # A stateless turn resumes from a free unowned slot's tokens when they cover at least this fraction of its
 # prompt; below it, it takes an empty (else the least recently used) slot, leaving the other caches whole.
-STATELESS_REUSE_FRACTION = 0.5
+# A new conversation copies another slot's prefix only from the same fraction of its prompt on.
+SHARED_REUSE_FRACTION = 0.5
 
 
 @dataclass
@@ -135,7 +140,7 @@ class SessionTable:
 
     def _stateless_slot(self, prompt: list[int], reuse: bool) -> tuple[SlotInfo, int] | None:
         """The slot of a turn without a session id and how many of its prompt's tokens it holds already: the
-        free unowned slot sharing the longest prefix with the prompt (at least STATELESS_REUSE_FRACTION of it,
+        free unowned slot sharing the longest prefix with the prompt (at least SHARED_REUSE_FRACTION of it,
         one token always left to compute), else an emptied one. None when no unowned slot is free."""
         if reuse and self.rewindable:
             best, best_usable = None, 0
@@ -145,7 +150,7 @@ class SessionTable:
                 usable = min(common_prefix(slot.tokens, prompt), len(prompt) - 1)
                 if usable > best_usable:
                     best, best_usable = slot, usable
-            if best is not None and best_usable >= STATELESS_REUSE_FRACTION * len(prompt):
+            if best is not None and best_usable >= SHARED_REUSE_FRACTION * len(prompt):
                 best.truncate(best_usable)
                 return best, best_usable
         slot = self._free_unowned_slot()
@@ -153,6 +158,25 @@ class SessionTable:
             return None
         slot.clear()
         return slot, 0
+
+    def _shared_start(self, slot: SlotInfo, prompt: list[int], reuse: bool) -> tuple[int, tuple[int, int] | None]:
+        """For a new conversation in the emptied `slot`: (cached tokens, copy_from) when some other idle slot
+        holds at least SHARED_REUSE_FRACTION of the prompt (one token always left to compute) and the model can
+        copy prefixes; that slot is pinned until the copy is done. Else (0, None)."""
+        if not (reuse and self.copy_prefixes):
+            return 0, None
+        best, best_usable = None, 0
+        for source in self.slots:
+            if source is slot or source.busy or not source.tokens:
+                continue  # a busy slot's tokens may run ahead of its state
+            usable = min(common_prefix(source.tokens, prompt), len(prompt) - 1)
+            if usable > best_usable:
+                best, best_usable = source, usable
+        if best is None or best_usable < SHARED_REUSE_FRACTION * len(prompt):
+            return 0, None
+        slot.tokens[:] = prompt[:best_usable]
+        best.pins += 1
+        return best_usable, (best.index, best_usable)
 
     # -- admission -----------------------------------------------------------------------------------------
     def check_capacity(self, session_id: str | None, reprefill_estimate_s: float | None = None) -> None:
@@ -180,19 +204,22 @@ class SessionTable:
 
     def _assign(self, session_id: str | None, prompt: list[int], reuse: bool = True) -> Assignment | None:
         now = self.clock()
-        if session_id is None:
+        session = self.sessions.get(session_id) if session_id is not None else None
+        if session is None:
+            # A stateless turn, or a new id's first: an anonymous cache it continues, else a copy of what another
+            # slot shares with it, else cold.
+            if session_id is not None:
+                self.check_capacity(session_id)
             got = self._stateless_slot(prompt, reuse)
             if got is None:
                 return None
-            return self._take(got[0], got[1], now)
-        session = self.sessions.get(session_id)
-        if session is None:
-            self.check_capacity(session_id)
-            slot = self._free_unowned_slot()
-            if slot is None:
-                return None
-            self._open_session(session_id, slot, now)
-            return self._take(slot, 0, now)
+            slot, cached = got
+            if session_id is not None:
+                self._open_session(session_id, slot, now, keep=True)
+            if cached:
+                return self._take(slot, cached, now)
+            cached, copy_from = self._shared_start(slot, prompt, reuse)
+            return self._take(slot, cached, now, copy_from=copy_from)
         # The owned conversation this prompt continues, if any: of those whose history up to the anchor it
         # repeats, the one it shares the most with (a tie: the most recent), so that re-sending a prompt resumes
         # the conversation it started rather than whichever slot comes first.
@@ -238,7 +265,8 @@ class SessionTable:
         n, source = max(shared, key=lambda pair: pair[0], default=(0, None))
         usable = min(n, len(prompt) - 1)
         if source is None or usable <= 0:
-            return self._take(slot, 0, now, evicted)
+            cached, copy_from = self._shared_start(slot, prompt, reuse)
+            return self._take(slot, cached, now, evicted and not cached, copy_from=copy_from)
         slot.tokens[:] = prompt[:usable]
         copy_from = None
         if source is not slot:
@@ -265,10 +293,13 @@ class SessionTable:
         slot.clear()
         return slot, evicted
 
-    def _open_session(self, session_id: str, slot: SlotInfo, now: float) -> Session:
+    def _open_session(self, session_id: str, slot: SlotInfo, now: float, keep: bool = False) -> Session:
+        """A new session owning `slot`; keep: the slot's tokens stay (an anonymous cache its first turn
+        continues)."""
         session = self.sessions[session_id] = Session(session_id, last_used=now)
         slot.session = session_id
-        slot.clear()
+        if not keep:
+            slot.clear()
         session.slots.append(slot)
         return session
 
