@@ -7,8 +7,8 @@ opencode case: every session opens with ~7.5k tokens of system prompt and tools)
 Each run opens three sessions (ids new to the server) with the same system prompt and a short question:
 the first pays for the whole prompt (each run's differs from the others' at its first words); the second
 starts from a copy of the first's prefix (`SessionTable._shared_start`); the third sends `cache_prompt:
-false`, the cold reference, whose greedy reply must equal the second's. Prints seconds, prompt and cached tokens per turn (medians over runs), and writes
-bench/results/<date>-shared-prefix.json.
+false`, the cold reference, whose greedy reply must equal the second's. Prints seconds, prompt and cached
+tokens per turn (medians over runs), and writes bench/results/<date>-shared-prefix.json.
 """
 
 from __future__ import annotations
