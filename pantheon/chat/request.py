@@ -53,8 +53,9 @@ class ChatRequest:
     tool_choice: Any = "auto"
     parallel_tool_calls: bool = True  # False: one call at most (later ones are dropped)
     session_id: str | None = None
-    # llama.cpp's field: False starts a request without a session id cold instead of from what an earlier one
-    # left in a free slot (`SessionTable`); the tokens are the same either way.
+    # llama.cpp's field: False starts the turn cold unless it continues its own session's conversation, instead
+    # of from an anonymous cache or a prefix copied from another slot (`SessionTable`); the tokens are the same
+    # either way.
     cache_prompt: bool = True
 
 

@@ -196,7 +196,8 @@ class SessionTable:
         """Pick the slot a turn runs in, or None when every usable slot is busy (the job keeps waiting).
 
         `anchor`: where this prompt's history ends; it becomes the slot's anchor for the next turn. `reuse`
-        False: a turn without a session id starts cold (the request's `cache_prompt`)."""
+        False (the request's `cache_prompt`): no anonymous cache and no copied prefix, so a turn that does not
+        continue its own session's conversation starts cold."""
         assignment = self._assign(session_id, prompt, reuse)
         if assignment is not None:
             assignment.slot.anchor = anchor if anchor is not None else len(prompt)

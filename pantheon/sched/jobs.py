@@ -21,7 +21,7 @@ class GenerationJob:
     max_tokens: int
     stop_ids: frozenset[int]
     session_key: str | None = None
-    # Without a session key: may start from a prefix an earlier stateless job left in a free slot.
+    # May start from an anonymous cache or a prefix copied from another slot (the request's `cache_prompt`).
     cache_prompt: bool = True
     # Optional token controller (grammar constraint, reasoning budget): see TokenController.
     constraint: Any = None
