@@ -659,6 +659,73 @@ async def test_a_short_prompt_does_not_wait_for_a_long_prefill() -> None:
     assert finished == ["short", "long"]
 
 
+class CopyingModel(FirstStepGatedModel):
+    """FirstStepGatedModel that copies slot prefixes (llama models do): records each copy."""
+
+    supports_prefix_copy = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.copies: list[tuple[int, int, int]] = []
+
+    def copy_prefix(self, state: object, source: int, dest: int, n: int) -> None:
+        self.copies.append((source, dest, n))
+
+
+async def test_a_turn_cancelled_before_its_prefix_copy_leaves_no_cache_behind() -> None:
+    """A stateless turn starting from a copy of a session's prefix, cancelled before its first step ran the copy:
+    its slot must not keep the tokens the copy promised (a later turn would resume from state never written),
+    and the source is unpinned. The same turn left to run copies, then keeps its tokens as an anonymous cache."""
+    from pantheon.engine.sampling import SamplingParams
+    from pantheon.sched import scheduler as scheduler_mod
+    from pantheon.sched.jobs import FinishEvent, GenerationJob
+
+    model = CopyingModel()
+    served = SimpleNamespace(name="fake", model=model, ctx_cap=4096)
+    sched = scheduler_mod.Scheduler(served, max_sessions=2, max_concurrent=4, queue_depth=4, prefill_chunk=256)
+    system = list(range(1, 201))
+
+    def job(prompt: list[int], session: str | None = None) -> GenerationJob:
+        return GenerationJob(prompt=prompt, sampling=SamplingParams(temperature=0), max_tokens=2,
+                             stop_ids=frozenset(), session_key=session)
+
+    async def finish(channel: Any) -> None:
+        with trio.fail_after(10):
+            async for event in channel:
+                if isinstance(event, FinishEvent):
+                    return
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sched.run)
+        model.release.set()
+        await finish(sched.submit(job(system + [900], "s")))  # the session's slot now holds the prefix
+        source = sched.sessions.get("s").slots[0]  # type: ignore[union-attr]
+        model.release.clear()
+        model.steps.clear()
+        # Admitted together; the blocker's chunk fills the first step, which waits on `release`.
+        blocker = sched.submit(job(list(range(1000, 1300))))
+        copier_job = job(system + [901])
+        copier = sched.submit(copier_job)
+        with trio.fail_after(10):
+            while sched.n_active < 2:
+                await trio.sleep(0.01)
+        assert source.pins == 1
+        slot = next(s for s in sched.sessions.slots if s.busy and s.tokens == system)  # promised, not copied
+        copier_job.cancel()
+        model.release.set()
+        with trio.fail_after(10):
+            async for _ in copier:
+                pass
+        assert slot.tokens == [] and source.pins == 0 and model.copies == []
+        await finish(blocker)
+        # Not cancelled: the copy runs in its first step and the tokens stay, an anonymous cache.
+        copier_job = job(system + [902])
+        await finish(sched.submit(copier_job))
+        assert [c[0] for c in model.copies] == [source.index] and source.pins == 0
+        assert any(s.session is None and s.tokens[:201] == system + [902] for s in sched.sessions.slots)
+        nursery.cancel_scope.cancel()
+
+
 class GatedModel(FakeModel):
     """FakeModel whose second step waits for the test: `entered` is set when that step begins, and the step
     returns only once `release` is set."""

@@ -713,6 +713,9 @@ class Scheduler:
 
     def _release(self, active: Active, *, keep_state: bool = True) -> None:
         active.released = True
+        # A turn that ends before its first step ran its prefix copy (or checkpoint restore) leaves a slot whose
+        # tokens promise state it never got: emptied, so that no later turn resumes from them.
+        keep_state = keep_state and active.copy_from is None and active.restore is None
         self._unpin(active)  # a turn that ends before its copy no longer needs the source
         if active in self._active:
             self._active.remove(active)
