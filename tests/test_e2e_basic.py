@@ -41,7 +41,9 @@ def test_models_lists_the_default_model(smollm_server: ServerProcess) -> None:
 
 
 def test_chat_completion_answers_sensibly(smollm_server: ServerProcess) -> None:
-    r = httpx.post(smollm_server.base_url + "/v1/chat/completions", json=CHAT, timeout=120)
+    # cache_prompt false: cold, whatever earlier tests left in the server's anonymous prefix caches.
+    r = httpx.post(smollm_server.base_url + "/v1/chat/completions", json={**CHAT, "cache_prompt": False},
+                   timeout=120)
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
@@ -52,6 +54,11 @@ def test_chat_completion_answers_sensibly(smollm_server: ServerProcess) -> None:
     usage = body["usage"]
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
     assert usage["prompt_tokens_details"] == {"cached_tokens": 0}
+    # The same request again, cache_prompt left on (the default): it resumes from what that turn left in its
+    # slot, all of the prompt but the token whose logits give the first new one, and answers the same.
+    again = httpx.post(smollm_server.base_url + "/v1/chat/completions", json=CHAT, timeout=120).json()
+    assert again["usage"]["prompt_tokens_details"] == {"cached_tokens": usage["prompt_tokens"] - 1}
+    assert again["choices"][0]["message"] == choice["message"]
 
 
 def test_streaming_matches_non_streaming(smollm_server: ServerProcess) -> None:
