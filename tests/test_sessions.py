@@ -79,6 +79,23 @@ def test_a_stateless_turn_sharing_too_little_leaves_the_caches_alone() -> None:
     assert run_stateless(t, list(range(100)) + [5], [])[1] == 100
 
 
+def test_a_short_prompt_does_not_cut_a_long_anonymous_cache() -> None:
+    """A short question sharing only the template's header with a long conversation's cache takes another
+    slot (copying the header where the model can copy prefixes); the long cache stays whole and resumes."""
+    for copies in (False, True):
+        t, _ = table(copy_prefixes=copies)
+        header = list(range(30))
+        long_slot, _ = run_stateless(t, header + list(range(100, 1100)), [1])
+        a = t.assign(None, header + [5, 6, 7])
+        assert a is not None and a.slot.index != long_slot
+        assert (a.cached_tokens, a.copy_from) == ((30, (long_slot, 30)) if copies else (0, None))
+        if a.copy_from:
+            t.unpin(a.copy_from[0])
+        a.slot.tokens[:] = header + [5, 6, 7, 8]
+        t.finish(a.slot)
+        assert run_stateless(t, header + list(range(100, 1100)) + [1, 2], []) == (long_slot, 1031)
+
+
 def test_cache_prompt_false_starts_a_stateless_turn_cold() -> None:
     t, _ = table()
     run_stateless(t, list(range(50)), [1])

@@ -31,9 +31,11 @@ from pantheon.errors import ApiError
 # generation prompt began (the slot's anchor); the reply after it may re-render differently. Restored slots
 # have no known anchor: half of their tokens stands in for it.
 CONTINUATION_FRACTION = 0.5
-# A stateless turn resumes from a free unowned slot's tokens when they cover at least this fraction of its
-# prompt; below it, it takes an empty (else the least recently used) slot, leaving the other caches whole.
-# A new conversation copies another slot's prefix only from the same fraction of its prompt on.
+# A stateless turn resumes from a free unowned slot's tokens in place when they cover at least this fraction of
+# its prompt and it keeps at least this fraction of them (a short question sharing only the template's system
+# header must not cut a long conversation's cache down to it); else it takes an empty (else the least recently
+# used) slot, leaving the other caches whole. A new conversation copies another slot's prefix only from the
+# same fraction of its prompt on.
 SHARED_REUSE_FRACTION = 0.5
 
 
@@ -140,15 +142,16 @@ class SessionTable:
 
     def _stateless_slot(self, prompt: list[int], reuse: bool) -> tuple[SlotInfo, int] | None:
         """The slot of a turn without a session id and how many of its prompt's tokens it holds already: the
-        free unowned slot sharing the longest prefix with the prompt (at least SHARED_REUSE_FRACTION of it,
-        one token always left to compute), else an emptied one. None when no unowned slot is free."""
+        free unowned slot sharing the longest prefix with the prompt (at least SHARED_REUSE_FRACTION of the
+        prompt and of the slot's tokens, one token always left to compute), else an emptied one. None when no
+        unowned slot is free."""
         if reuse and self.rewindable:
             best, best_usable = None, 0
             for slot in self.slots:
                 if slot.taken or slot.session is not None or not slot.tokens:
                     continue
                 usable = min(common_prefix(slot.tokens, prompt), len(prompt) - 1)
-                if usable > best_usable:
+                if usable > best_usable and usable >= SHARED_REUSE_FRACTION * len(slot.tokens):
                     best, best_usable = slot, usable
             if best is not None and best_usable >= SHARED_REUSE_FRACTION * len(prompt):
                 best.truncate(best_usable)
