@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pantheon.engine.sessions import SessionTable
+from pantheon.engine.sessions import Assignment, SessionTable
 from pantheon.errors import ApiError
 
 
@@ -23,12 +23,17 @@ def table(**kw: object) -> tuple[SessionTable, Clock]:
     return SessionTable(**args), clock  # type: ignore[arg-type]
 
 
-def run_turn(t: SessionTable, session: str | None, prompt: list[int], generated: list[int]) -> int:
-    a = t.assign(session, prompt)
+def finished_turn(t: SessionTable, session: str | None, prompt: list[int], generated: list[int],
+                  reuse: bool = True) -> Assignment:
+    a = t.assign(session, prompt, reuse=reuse)
     assert a is not None
     a.slot.tokens[:] = prompt + generated  # what the scheduler commits
     t.finish(a.slot)
-    return a.cached_tokens
+    return a
+
+
+def run_turn(t: SessionTable, session: str | None, prompt: list[int], generated: list[int]) -> int:
+    return finished_turn(t, session, prompt, generated).cached_tokens
 
 
 def test_second_turn_reuses_the_conversation() -> None:
@@ -49,10 +54,7 @@ def test_cache_always_leaves_a_token_to_compute() -> None:
 def run_stateless(t: SessionTable, prompt: list[int], generated: list[int], reuse: bool = True
                   ) -> tuple[int, int]:
     """(slot index, cached tokens) of a stateless turn."""
-    a = t.assign(None, prompt, reuse=reuse)
-    assert a is not None
-    a.slot.tokens[:] = prompt + generated
-    t.finish(a.slot)
+    a = finished_turn(t, None, prompt, generated, reuse)
     return a.slot.index, a.cached_tokens
 
 

@@ -21,7 +21,7 @@ prefill (attention reads a cached position as it would have computed it), so onl
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -108,6 +108,30 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return i
 
 
+def _longest_prefix(prompt: list[int], slots: Iterable[SlotInfo], keep_fraction: float = 0.0
+                    ) -> tuple[int, SlotInfo | None]:
+    """(usable, slot): of `slots`, the one a turn with this prompt can resume the most of, and how much (one
+    prompt token always left to compute: its logits give the first new token); only slots that keep at least
+    keep_fraction of their tokens count. (0, None) when none shares anything."""
+    best, best_usable = None, 0
+    for slot in slots:
+        usable = min(common_prefix(slot.tokens, prompt), len(prompt) - 1)
+        if usable > best_usable and usable >= keep_fraction * len(slot.tokens):
+            best, best_usable = slot, usable
+    return best_usable, best
+
+
+def _start_from(slot: SlotInfo, source: SlotInfo, prompt: list[int], usable: int) -> tuple[int, int] | None:
+    """`slot` starts a turn from the first `usable` tokens of `prompt`, which `source` holds: kept in place when
+    it is the slot itself, else the copy_from of an `Assignment`, `source` pinned until the scheduler has copied
+    them (`SessionTable.unpin`)."""
+    slot.tokens[:] = prompt[:usable]
+    if source is slot:
+        return None
+    source.pins += 1
+    return source.index, usable
+
+
 class SessionTable:
     def __init__(self, *, n_slots: int, max_sessions: int, conversations_per_session: int = 2,
                  idle_ttl_s: float = 12 * 3600.0, clock: Callable[[], float] = time.monotonic,
@@ -146,16 +170,11 @@ class SessionTable:
         prompt and of the slot's tokens, one token always left to compute), else an emptied one. None when no
         unowned slot is free."""
         if reuse and self.rewindable:
-            best, best_usable = None, 0
-            for slot in self.slots:
-                if slot.taken or slot.session is not None or not slot.tokens:
-                    continue
-                usable = min(common_prefix(slot.tokens, prompt), len(prompt) - 1)
-                if usable > best_usable and usable >= SHARED_REUSE_FRACTION * len(slot.tokens):
-                    best, best_usable = slot, usable
-            if best is not None and best_usable >= SHARED_REUSE_FRACTION * len(prompt):
-                best.truncate(best_usable)
-                return best, best_usable
+            anonymous = (s for s in self.slots if not s.taken and s.session is None and s.tokens)
+            usable, best = _longest_prefix(prompt, anonymous, keep_fraction=SHARED_REUSE_FRACTION)
+            if best is not None and usable >= SHARED_REUSE_FRACTION * len(prompt):
+                best.truncate(usable)
+                return best, usable
         slot = self._free_unowned_slot()
         if slot is None:
             return None
@@ -168,18 +187,11 @@ class SessionTable:
         copy prefixes; that slot is pinned until the copy is done. Else (0, None)."""
         if not (reuse and self.copy_prefixes):
             return 0, None
-        best, best_usable = None, 0
-        for source in self.slots:
-            if source is slot or source.busy or not source.tokens:
-                continue  # a busy slot's tokens may run ahead of its state
-            usable = min(common_prefix(source.tokens, prompt), len(prompt) - 1)
-            if usable > best_usable:
-                best, best_usable = source, usable
-        if best is None or best_usable < SHARED_REUSE_FRACTION * len(prompt):
+        # A busy slot's tokens may run ahead of its state: never a source.
+        usable, source = _longest_prefix(prompt, (s for s in self.slots if s is not slot and not s.busy))
+        if source is None or usable < SHARED_REUSE_FRACTION * len(prompt):
             return 0, None
-        slot.tokens[:] = prompt[:best_usable]
-        best.pins += 1
-        return best_usable, (best.index, best_usable)
+        return usable, _start_from(slot, source, prompt, usable)
 
     # -- admission -----------------------------------------------------------------------------------------
     def check_capacity(self, session_id: str | None, reprefill_estimate_s: float | None = None) -> None:
@@ -220,9 +232,9 @@ class SessionTable:
             slot, cached = got
             if session_id is not None:
                 self._open_session(session_id, slot, now, keep=True)
-            if cached:
-                return self._take(slot, cached, now)
-            cached, copy_from = self._shared_start(slot, prompt, reuse)
+            copy_from = None
+            if not cached:
+                cached, copy_from = self._shared_start(slot, prompt, reuse)
             return self._take(slot, cached, now, copy_from=copy_from)
         # The owned conversation this prompt continues, if any: of those whose history up to the anchor it
         # repeats, the one it shares the most with (a tie: the most recent), so that re-sending a prompt resumes
@@ -271,12 +283,7 @@ class SessionTable:
         if source is None or usable <= 0:
             cached, copy_from = self._shared_start(slot, prompt, reuse)
             return self._take(slot, cached, now, evicted and not cached, copy_from=copy_from)
-        slot.tokens[:] = prompt[:usable]
-        copy_from = None
-        if source is not slot:
-            copy_from = (source.index, usable)
-            source.pins += 1
-        return self._take(slot, usable, now, copy_from=copy_from)
+        return self._take(slot, usable, now, copy_from=_start_from(slot, source, prompt, usable))
 
     def _conversation_slot(self, session: Session) -> tuple[SlotInfo, bool] | None:
         """An emptied slot for a new conversation of `session`: a free one while it has fewer than
