@@ -204,11 +204,14 @@ def test_a_required_call_with_an_invalid_parameter_schema_is_400(smollm_server: 
     assert httpx.post(url, timeout=60, json=body).status_code == 200
 
 
-def test_a_required_call_whose_schema_cannot_be_enforced_is_400(smollm_server: ServerProcess) -> None:
-    """A schema that passes the metaschema but that the grammar cannot enforce (here: no integer is both >= 5
-    and <= 1) is refused too, streamed or not, instead of a "required" turn decoded without its grammar."""
+@pytest.mark.parametrize("argument", [{"type": "integer", "minimum": 5, "maximum": 1}, {"enum": []}, {"not": {}},
+                                      {"allOf": [{"type": "string"}, {"enum": []}]}])
+def test_a_required_call_whose_schema_cannot_be_enforced_is_400(smollm_server: ServerProcess, argument: dict) -> None:
+    """A schema that passes the metaschema but that the grammar cannot enforce (no integer is both >= 5 and
+    <= 1; an empty enum; not anything) is refused too, streamed or not, instead of a "required" turn decoded
+    without its grammar, or with a call whose arguments its own schema refuses."""
     unsatisfiable = [{"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"x": {"type": "integer", "minimum": 5, "maximum": 1}}, "required": ["x"]}}}]
+        "type": "object", "properties": {"x": argument}, "required": ["x"]}}}]
     body = {"messages": [{"role": "user", "content": "hi"}], "tools": unsatisfiable, "max_tokens": 4,
             "tool_choice": "required"}
     url = smollm_server.base_url + "/v1/chat/completions"

@@ -74,6 +74,22 @@ def _named_function(tool_choice: Any, enforced: bool) -> str | None:
     return None
 
 
+def _admits_no_value(schema: Any) -> bool:
+    """Whether an argument's schema is one that no value meets on its face: `false`, an empty `enum`, `not`
+    of everything (or an `allOf` holding one of these). Bounds that cross (minimum > maximum) llguidance
+    refuses itself."""
+    if schema is False:
+        return True
+    if not isinstance(schema, dict):
+        return False
+    if isinstance(schema.get("enum"), list) and not schema["enum"]:
+        return True
+    if "not" in schema and (schema["not"] is True or schema["not"] == {}):
+        return True
+    parts = schema.get("allOf")
+    return isinstance(parts, list) and any(_admits_no_value(part) for part in parts)
+
+
 def _tool_grammar(dialect: Dialect, tools: list[ToolSpec], request: ChatRequest, env: EnvKnobs,
                   think_mode: str) -> tuple[str | None, bool]:
     """The tool-call grammar of this request (None: decoded unconstrained), and whether it compels a call."""
@@ -100,6 +116,12 @@ def _tool_grammar(dialect: Dialect, tools: list[ToolSpec], request: ChatRequest,
         except jsonschema.SchemaError as exc:
             raise invalid_request(f"tools: function {tool.name!r} parameters are not a valid JSON schema: "
                                   f"{exc.message}") from None
+        props = tool.arguments_schema.get("properties")
+        for key, schema in (props.items() if isinstance(props, dict) else ()):
+            if _admits_no_value(schema):
+                # A grammar would have to write something there that the schema then refuses.
+                raise invalid_request(f"tools: function {tool.name!r} parameter {key!r} has a schema no value "
+                                      "meets: it cannot be enforced")
     if env.tool_grammar is None:
         return tool_call_grammar(dialect, tools, mode="required", think=think_mode), True
     if named is not None:
