@@ -369,12 +369,37 @@ def test_prefill_equals_token_by_token(heads):
     one_by_one = np.concatenate(
         [ops.attention(q[t : t + 1], k, v, start_pos + t, 0.125) for t in range(n_tokens)]
     )
-    assert_close(one_by_one, at_once, rel=1e-5)
+    np.testing.assert_array_equal(one_by_one, at_once)
     bounds = [0, 7, 23, 40, n_tokens]  # uneven chunks, as a chunked prefill would send them
     chunked = np.concatenate(
         [ops.attention(q[a:b], k, v, start_pos + a, 0.125) for a, b in zip(bounds, bounds[1:])]
     )
-    assert_close(chunked, at_once, rel=1e-5)
+    np.testing.assert_array_equal(chunked, at_once)
+
+
+@pytest.mark.parametrize("heads", [(9, 3), (12, 2), (4, 4)])
+@pytest.mark.parametrize("kv_dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("start_pos, n_tokens", [(0, 1), (3, 45), (ops.DECODE_SPLIT_KEYS - 20, 61), (1100, 13)])
+def test_prefill_gives_each_position_the_bits_of_its_decode_step(heads, kv_dtype, start_pos, n_tokens):
+    """Prefill attends its tokens PREFILL_QUERY_BLOCK at a time over each tile of keys; each token's numbers
+    are still those of a decode step at its position (a cached prompt resumes with a cold one's bits), across
+    blocks, the key runs of DECODE_SPLIT_KEYS and a block that straddles one, and writing over the queries."""
+    n_q_heads, n_kv_heads = heads
+    rng = np.random.default_rng(start_pos + n_tokens)
+    k, v = kv_cache(rng, start_pos + n_tokens + 9, n_kv_heads, 64, start_pos + n_tokens)
+    k, v = k.astype(kv_dtype), v.astype(kv_dtype)
+    q = random(rng, (n_tokens, n_q_heads, 64), scale=2.0)
+    prefill = ops.attention(q, k, v, start_pos, 0.125)
+    positions = np.arange(start_pos, start_pos + n_tokens, dtype=np.int32)
+    decoded = np.concatenate([
+        ops.attention_decode_batch(q[t : t + 1], k[None], v[None], positions[t : t + 1], 0.125,
+                                   slot_ids=np.zeros(1, dtype=np.int32)) for t in range(n_tokens)])
+    np.testing.assert_array_equal(prefill, decoded)
+    q_rounded = q if kv_dtype == np.float32 else q.astype(np.float16).astype(np.float32)
+    expected = ref.attention(q_rounded, k.astype(np.float32), v.astype(np.float32), start_pos, 0.125)
+    assert_close(prefill, expected, rel=1e-4 if kv_dtype == np.float32 else 5e-4)
+    ops.attention(q, k, v, start_pos, 0.125, out=q)
+    np.testing.assert_array_equal(q, prefill)
 
 
 def test_attention_rejects_rows_past_the_cache():

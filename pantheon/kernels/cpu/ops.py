@@ -50,6 +50,13 @@ DECODE_SPLIT_KEYS = 512
 # Decode attention splits the query heads of a kv head over work items when fewer (sequence, kv head) pairs
 # than this would leave threads idle (batch 1).
 DECODE_MIN_ITEMS = 4
+# Prefill attention takes this many consecutive tokens of a sequence through each tile of keys together, so the
+# tile's keys and values come from L1 for all of them (`_attention_prefill_kernel`), not from L2 or L3 once per
+# token. On the 2-core Zen 3 VM, 256 tokens over 7.5k of context (9 query heads on 3 kv heads, float16):
+# 73 -> 56-59 ms over C-ordered caches (4 and 16 about as fast as 8); bench/long_prefill.py (the backend's
+# head-major pools, 7800 tokens) attention 31.7 -> 25.7-27.9 s. Widening each tile to float32 once for the
+# block instead of once per token (exact, same bits) measured slower (66-71 ms): the tile doubles in L1.
+PREFILL_QUERY_BLOCK = 8
 # Softmax weights (relative to the running max, which weighs 1) below this add nothing a float32 sum can
 # hold; skipping them also keeps denormal products (slow on x86) out of the accumulator.
 MIN_WEIGHT = np.float32(2.0**-40)
@@ -660,44 +667,54 @@ def _values_for_heads(acc, h, width, weights, values, kvh, j0, n):
 
 
 @_njit
-def _attend_group(q_rows, keys, values, kvh, k_lo, k_hi, scale, row_max, row_sum, acc, scores, tile_max):
-    """Online softmax of the query rows q_rows (G, hd) of kv head kvh over key rows k_lo .. k_hi - 1.
+def _attend_group(q_rows, group, n_tok, keys, values, kvh, k_lo, k_hi, k_cap, scale, row_max, row_sum, acc, scores,
+                  tile_max):
+    """Online softmax of n_tok tokens' query rows of kv head kvh: token t's `group` rows are q_rows[t * group :
+    (t + 1) * group] (hd wide), and it attends key rows k_lo .. min(k_hi + t, k_cap) - 1 (consecutive positions:
+    a decode item has n_tok 1 and k_cap = k_hi). row_max, row_sum, acc, scores and tile_max have a row per
+    query row, as q_rows.
 
     The arithmetic of `_attend_row` for one row per head, except that a score's dot product is summed in
     another order (attend_ir): per tile of KEY_TILE keys, the scores of every head, then each head's running
     max and sum and its rescaled accumulator, then the weighted values. Weights below MIN_WEIGHT become 0,
-    which add nothing (`_attend_row` skips those rows)."""
-    group = q_rows.shape[0]
+    which add nothing (`_attend_row` skips those rows). A token's rows go through the same operations whatever
+    n_tok is: the tokens only take turns inside each tile, so a prefilled position gets a decoded one's bits
+    while the tile's keys and values are read from memory once for all of them."""
+    k_end = min(k_hi + n_tok - 1, k_cap)
     # Ask for the memory a tile needs before its scores are computed (attend_ir.prefetch_rows_intrinsic):
     # its values and the next tile's keys; the first tile's keys at once.
-    _prefetch_rows(keys, kvh, k_lo, min(k_hi, k_lo + KEY_TILE))
-    for k0 in range(k_lo, k_hi, KEY_TILE):
-        k1 = min(k_hi, k0 + KEY_TILE)
-        _prefetch_rows(values, kvh, k0, k1)
-        _prefetch_rows(keys, kvh, k1, min(k_hi, k1 + KEY_TILE))
-        tile_max[:] = -np.inf
-        for h in range(0, group, MAX_WIDTH):
-            width = min(MAX_WIDTH, group - h)
-            for j0 in range(k0, k1, LANES):
-                _scores_for_heads(q_rows, h, width, keys, kvh, j0, min(LANES, k1 - j0), scale, scores, j0 - k0,
-                                  tile_max)
-        for h in range(group):
-            old_max = row_max[h]
-            new_max = max(old_max, tile_max[h])  # max(old_max, this tile's scores), NaN scores ignored
-            correction = _exp_f32(old_max - new_max)
-            total = row_sum[h] * correction
-            if correction != 1.0:
-                for c in range(acc.shape[1]):
-                    acc[h, c] *= correction
-            for j in range(k1 - k0):
-                p = _exp_f32(scores[h, j] - new_max)
-                total += p
-                weight = _kv_to_f32(_f32_to_kv(p, values))  # float16 over a float16 cache
-                scores[h, j] = np.float32(0.0) if weight < MIN_WEIGHT else weight
-            row_sum[h] = total
-            row_max[h] = new_max
-        for h in range(0, group, MAX_WIDTH):
-            _values_for_heads(acc, h, min(MAX_WIDTH, group - h), scores, values, kvh, k0, k1 - k0)
+    _prefetch_rows(keys, kvh, k_lo, min(k_end, k_lo + KEY_TILE))
+    for k0 in range(k_lo, k_end, KEY_TILE):
+        _prefetch_rows(values, kvh, k0, min(k_end, k0 + KEY_TILE))
+        _prefetch_rows(keys, kvh, min(k_end, k0 + KEY_TILE), min(k_end, k0 + 2 * KEY_TILE))
+        for t in range(n_tok):
+            k1 = min(min(k_hi + t, k_cap), k0 + KEY_TILE)
+            if k1 <= k0:
+                continue  # this token's keys ended before the tile
+            first = t * group
+            tile_max[first:first + group] = -np.inf
+            for h in range(first, first + group, MAX_WIDTH):
+                width = min(MAX_WIDTH, first + group - h)
+                for j0 in range(k0, k1, LANES):
+                    _scores_for_heads(q_rows, h, width, keys, kvh, j0, min(LANES, k1 - j0), scale, scores, j0 - k0,
+                                      tile_max)
+            for h in range(first, first + group):
+                old_max = row_max[h]
+                new_max = max(old_max, tile_max[h])  # max(old_max, this tile's scores), NaN scores ignored
+                correction = _exp_f32(old_max - new_max)
+                total = row_sum[h] * correction
+                if correction != 1.0:
+                    for c in range(acc.shape[1]):
+                        acc[h, c] *= correction
+                for j in range(k1 - k0):
+                    p = _exp_f32(scores[h, j] - new_max)
+                    total += p
+                    weight = _kv_to_f32(_f32_to_kv(p, values))  # float16 over a float16 cache
+                    scores[h, j] = np.float32(0.0) if weight < MIN_WEIGHT else weight
+                row_sum[h] = total
+                row_max[h] = new_max
+            for h in range(first, first + group, MAX_WIDTH):
+                _values_for_heads(acc, h, min(MAX_WIDTH, first + group - h), scores, values, kvh, k0, k1 - k0)
 
 
 @_njit
@@ -787,7 +804,8 @@ def _attend_item(n_heads, keys, values, kvh, k_lo, k_hi, scale32, b, h0, split, 
     row_max[:] = -np.inf
     row_sum[:] = 0.0
     acc[:, :] = 0.0
-    _attend_group(q_rows, keys, values, kvh, k_lo, k_hi, scale32, row_max, row_sum, acc, scores, tile_max)
+    _attend_group(q_rows, n_heads, 1, keys, values, kvh, k_lo, k_hi, k_hi, scale32, row_max, row_sum, acc, scores,
+                  tile_max)
     if single_run:
         # Only this item reads these heads' q, so out may be q.
         _finish_rows(out, b, h0, n_heads, row_sum, acc)
@@ -860,6 +878,68 @@ def _attention_decode_kernel(q, k_all, v_all, slot_ids, positions, scale, out):
         _attend_item(n_heads, keys, values, kvh, k_lo, k_hi, scale32, b, h0, split,
                      first_item[b + 1] - first_item[b] == n_kv_heads * n_subgroups, out, part_max, part_sum, part_acc,
                      scratch)
+    _merge_splits(positions, part_max, part_sum, part_acc, out)
+
+
+@_njit
+def _prefill_layout(n_tokens, n_kv_heads, start_pos):
+    """The work items of a prefill attention launch: (block of PREFILL_QUERY_BLOCK tokens, run of
+    DECODE_SPLIT_KEYS keys that some token of the block reaches, kv head). Block i's items are first_item[i] ..
+    first_item[i + 1] - 1."""
+    n_blocks = (n_tokens + PREFILL_QUERY_BLOCK - 1) // PREFILL_QUERY_BLOCK
+    first_item = np.empty(n_blocks + 1, dtype=np.int64)
+    first_item[0] = 0
+    for i in range(n_blocks):
+        last_pos = start_pos + min(n_tokens, (i + 1) * PREFILL_QUERY_BLOCK) - 1
+        first_item[i + 1] = first_item[i] + n_kv_heads * (last_pos // DECODE_SPLIT_KEYS + 1)
+    return first_item
+
+
+@_njit_parallel
+def _attention_prefill_kernel(q, keys, values, start_pos, scale, out):
+    """`_attention_decode_kernel` for the consecutive positions start_pos .. of one sequence, the tokens taken
+    PREFILL_QUERY_BLOCK at a time: a work item attends a block's tokens over one run of keys together
+    (`_attend_group`), each token with a decoded position's operations, splits and merge."""
+    n_tokens, n_q_heads, head_dim = q.shape
+    n_kv_heads = keys.shape[1]
+    group = n_q_heads // n_kv_heads
+    first_item = _prefill_layout(n_tokens, n_kv_heads, start_pos)
+    positions = np.arange(start_pos, start_pos + n_tokens).astype(np.int32)
+    part_max, part_sum, part_acc = _split_states(n_tokens, n_q_heads, head_dim,
+                                                 (start_pos + n_tokens - 1) // DECODE_SPLIT_KEYS + 1)
+    scale32 = np.float32(scale)
+    n_blocks = first_item.shape[0] - 1
+    for item in prange(first_item[n_blocks]):
+        block = 0
+        while first_item[block + 1] <= item:
+            block += 1
+        split = (item - first_item[block]) // n_kv_heads
+        kvh = (item - first_item[block]) % n_kv_heads
+        k_lo = split * DECODE_SPLIT_KEYS
+        # The block's tokens that reach this run of keys: a suffix of it (position >= k_lo).
+        t_lo = max(block * PREFILL_QUERY_BLOCK, k_lo - start_pos)
+        t_hi = min(n_tokens, (block + 1) * PREFILL_QUERY_BLOCK)
+        n_tok = t_hi - t_lo
+        q_rows, row_max, row_sum, acc, scores, tile_max = _item_scratch(n_tok * group, head_dim)
+        for t in range(n_tok):
+            for i in range(group):
+                for c in range(head_dim):
+                    q_rows[t * group + i, c] = _kv_to_f32(_f32_to_kv(q[t_lo + t, kvh * group + i, c], keys))
+        row_max[:] = -np.inf
+        row_sum[:] = 0.0
+        acc[:, :] = 0.0
+        _attend_group(q_rows, group, n_tok, keys, values, kvh, k_lo, start_pos + t_lo + 1, k_lo + DECODE_SPLIT_KEYS,
+                      scale32, row_max, row_sum, acc, scores, tile_max)
+        for t in range(n_tok):
+            b = t_lo + t
+            rows = slice(t * group, (t + 1) * group)
+            if positions[b] < DECODE_SPLIT_KEYS:  # a single run: the output rows at once
+                _finish_rows(out, b, kvh * group, group, row_sum[rows], acc[rows])
+                continue
+            for i in range(group):
+                part_max[b, kvh * group + i, split] = row_max[t * group + i]
+                part_sum[b, kvh * group + i, split] = row_sum[t * group + i]
+                part_acc[b, kvh * group + i, split] = acc[t * group + i]
     _merge_splits(positions, part_max, part_sum, part_acc, out)
 
 
@@ -947,8 +1027,9 @@ def attention(
 
     Each token attends exactly as a decode step at its position does (`attention_decode_batch`, one row per
     token): a position's numbers do not depend on whether it was prefilled or decoded, so a turn whose prompt
-    is cached up to its last token samples the same first token as an uncached one. Measured as fast as the
-    query-blocked prefill kernel this replaced, from 256 to 2048 tokens.
+    is cached up to its last token samples the same first token as an uncached one. The tokens go through each
+    tile of keys PREFILL_QUERY_BLOCK at a time (`_attention_prefill_kernel`); head dims that are not a
+    multiple of 16 take `attention_decode_batch`'s plain loops, one row per token.
     """
     n_tokens, n_q_heads, head_dim = q.shape
     ctx, n_kv_heads, kv_dim = k_cache.shape
@@ -960,6 +1041,11 @@ def attention(
         raise ValueError(
             f"attention: rows {start_pos}..{start_pos + n_tokens - 1} are outside a cache of {ctx}"
         )
+    if head_dim % LANES == 0:
+        if out is None:
+            out = np.empty_like(q)
+        _attention_prefill_kernel(q, kernel_view(k_cache), kernel_view(v_cache), start_pos, scale, out)
+        return out
     positions = np.arange(start_pos, start_pos + n_tokens, dtype=np.int32)
     return attention_decode_batch(q, k_cache[None], v_cache[None], positions, scale, out,
                                   slot_ids=np.zeros(n_tokens, dtype=np.int32))
