@@ -112,12 +112,14 @@ def _longest_prefix(prompt: list[int], slots: Iterable[SlotInfo], keep_fraction:
                     ) -> tuple[int, SlotInfo | None]:
     """(usable, slot): of `slots`, the one a turn with this prompt can resume the most of, and how much (one
     prompt token always left to compute: its logits give the first new token); only slots that keep at least
-    keep_fraction of their tokens count. (0, None) when none shares anything."""
+    keep_fraction of their tokens count. (0, None) when none shares SHARED_REUSE_FRACTION of the prompt."""
     best, best_usable = None, 0
     for slot in slots:
         usable = min(common_prefix(slot.tokens, prompt), len(prompt) - 1)
         if usable > best_usable and usable >= keep_fraction * len(slot.tokens):
             best, best_usable = slot, usable
+    if best is None or best_usable < SHARED_REUSE_FRACTION * len(prompt):
+        return 0, None
     return best_usable, best
 
 
@@ -172,7 +174,7 @@ class SessionTable:
         if reuse and self.rewindable:
             anonymous = (s for s in self.slots if not s.taken and s.session is None and s.tokens)
             usable, best = _longest_prefix(prompt, anonymous, keep_fraction=SHARED_REUSE_FRACTION)
-            if best is not None and usable >= SHARED_REUSE_FRACTION * len(prompt):
+            if best is not None:
                 best.truncate(usable)
                 return best, usable
         slot = self._free_unowned_slot()
@@ -189,7 +191,7 @@ class SessionTable:
             return 0, None
         # A busy slot's tokens may run ahead of its state: never a source.
         usable, source = _longest_prefix(prompt, (s for s in self.slots if s is not slot and not s.busy))
-        if source is None or usable < SHARED_REUSE_FRACTION * len(prompt):
+        if source is None:
             return 0, None
         return usable, _start_from(slot, source, prompt, usable)
 

@@ -806,8 +806,15 @@ def _attend_item(n_heads, keys, values, kvh, k_lo, k_hi, scale32, b, h0, split, 
     acc[:, :] = 0.0
     _attend_group(q_rows, n_heads, 1, keys, values, kvh, k_lo, k_hi, k_hi, scale32, row_max, row_sum, acc, scores,
                   tile_max)
+    _leave_rows(out, b, h0, n_heads, split, single_run, row_max, row_sum, acc, part_max, part_sum, part_acc)
+
+
+@_njit
+def _leave_rows(out, b, h0, n_heads, split, single_run, row_max, row_sum, acc, part_max, part_sum, part_acc):
+    """Query rows h0 .. h0 + n_heads - 1 of sequence b after one run of keys: a sequence's single run writes its
+    output rows at once (only its own item read these heads' q, so out may be q), a split one leaves its
+    softmax state for `_merge_splits`."""
     if single_run:
-        # Only this item reads these heads' q, so out may be q.
         _finish_rows(out, b, h0, n_heads, row_sum, acc)
         return
     for i in range(n_heads):
@@ -931,15 +938,9 @@ def _attention_prefill_kernel(q, keys, values, start_pos, scale, out):
         _attend_group(q_rows, group, n_tok, keys, values, kvh, k_lo, start_pos + t_lo + 1, k_lo + DECODE_SPLIT_KEYS,
                       scale32, row_max, row_sum, acc, scores, tile_max)
         for t in range(n_tok):
-            b = t_lo + t
             rows = slice(t * group, (t + 1) * group)
-            if positions[b] < DECODE_SPLIT_KEYS:  # a single run: the output rows at once
-                _finish_rows(out, b, kvh * group, group, row_sum[rows], acc[rows])
-                continue
-            for i in range(group):
-                part_max[b, kvh * group + i, split] = row_max[t * group + i]
-                part_sum[b, kvh * group + i, split] = row_sum[t * group + i]
-                part_acc[b, kvh * group + i, split] = acc[t * group + i]
+            _leave_rows(out, t_lo + t, kvh * group, group, split, start_pos + t_lo + t < DECODE_SPLIT_KEYS,
+                        row_max[rows], row_sum[rows], acc[rows], part_max, part_sum, part_acc)
     _merge_splits(positions, part_max, part_sum, part_acc, out)
 
 
