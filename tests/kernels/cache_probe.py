@@ -1,10 +1,12 @@
 """Run by tests/kernels/test_cache_consistency.py in a child process: every cpu op once on fixed inputs, then
 one line of output hashes. Run twice against one NUMBA_CACHE_DIR, the first run compiles every kernel and the
-second loads them from the cache: the lines must be equal."""
+second loads them from the cache: the lines must be equal. `python -m tests.kernels.cache_probe ops|hybrid|decode`
+runs one of its parts (the test runs them side by side: compiling is single-threaded)."""
 
 from __future__ import annotations
 
 import hashlib
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +25,8 @@ def digest(a: np.ndarray) -> str:
     return hashlib.blake2b(np.ascontiguousarray(a).tobytes(), digest_size=6).hexdigest()
 
 
-def main() -> None:
+def ops_part() -> dict[str, str]:
+    """The kernels one at a time."""
     rng = np.random.default_rng(0)
     x = rng.standard_normal((40, 576)).astype(np.float32)
     w = rng.standard_normal(576).astype(np.float32)
@@ -64,6 +67,12 @@ def main() -> None:
             out[f"int8_{qtype}"] = digest(quant.matmul(weight, xs, int8=True))
             prefill = rng.standard_normal((48, 768)).astype(np.float32)  # quantized on all threads
             out[f"int8_{qtype}_prefill"] = digest(quant.matmul(weight, prefill, int8=True))
+    return out
+
+
+def hybrid_part() -> dict[str, str]:
+    """Whole forwards of the hybrid models."""
+    out = {}
     # The hybrid models' kernels (conv, delta rule chunked and recurrent, gated norm, MoE) through whole forwards.
     for name in ("qwen35", "qwen35moe"):
         model = load_model(open_gguf(FIXTURES / f"{name}.gguf", None), CpuBackend())
@@ -72,7 +81,12 @@ def main() -> None:
         prefill = model.forward(state, [BatchRow(0, tokens, 0, "all")])
         decode = model.forward(state, [BatchRow(0, np.array([5], np.int32), 40)])
         out[name] = digest(prefill) + digest(decode)
-    # The default model's compiled decode step (kernels/cpu/decode_layers.py) and its Python loop.
+    return out
+
+
+def decode_part() -> dict[str, str]:
+    """The default model's compiled decode step (kernels/cpu/decode_layers.py) and its Python loop."""
+    out = {}
     from pantheon.config import ModelOptions, read_env
     from pantheon.engine.loader import load_served_model
 
@@ -88,8 +102,15 @@ def main() -> None:
             logits = model.forward(state, [BatchRow(0, np.array([7], np.int32), 29),
                                            BatchRow(1, np.array([9], np.int32), 15)])
             out[name] = digest(logits) + digest(state.k[-1]) + digest(state.v[-1])
-    print(" ".join(f"{name}={value}" for name, value in out.items()))
+    return out
+
+
+PARTS = {"ops": ops_part, "hybrid": hybrid_part, "decode": decode_part}
+
+
+def main(part: str) -> None:
+    print(" ".join(f"{name}={value}" for name, value in PARTS[part]().items()))
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1])

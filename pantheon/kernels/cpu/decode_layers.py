@@ -200,7 +200,9 @@ def _team_layers(n_threads, spin_limit, sync, claims, x, h, qtypes, rows, flips,
     the words both threads would write, per call below)."""
     u = team.unowned
     for t in numba.prange(n_threads):
-        _team_member(t, n_threads, spin_limit, u(sync), u(claims), u(x), u(h), u(qtypes), u(rows), u(flips), w_qkv,
+        # np.int64(t): numba types the body twice, with t int64 (the function) and uint64 (the parallel loop);
+        # without the cast each signature compiles its own copy of `_team_member`, ~40 s of a cold start.
+        _team_member(np.int64(t), n_threads, spin_limit, u(sync), u(claims), u(x), u(h), u(qtypes), u(rows), u(flips), w_qkv,
                      w_out, w_gate_up, w_down, u(ffn_norms), u(next_norms), eps, k_pools, v_pools, u(slots),
                      u(positions), u(cos_table), u(sin_table), scale, u(first_item), per_subgroup, n_subgroups,
                      max_splits, u(part_max), u(part_sum), u(part_acc), u(qkv), u(attn), u(o), u(gate_up), u(ff),
