@@ -25,7 +25,9 @@ def test_the_instrumented_step_gives_the_steps_bits_and_counts_each_phase(tmp_pa
     from pantheon.kernels.cpu import decode_layers as dl
     from pantheon.kernels.cpu import team
 
-    path = write_tiny_llama(tmp_path / "tiny.gguf", n_layers=2, d=64, heads=2, kv_heads=1, ffn=128, ctx=256,
+    # Two kv heads: the strided cache layout the served models have, so dl._team_step is the compiled one the
+    # other tests use (with one, the pools are C-contiguous and the whole step compiles again, ~50 s).
+    path = write_tiny_llama(tmp_path / "tiny.gguf", n_layers=2, d=64, heads=4, kv_heads=2, ffn=128, ctx=256,
                             qtype=gguf.GGMLQuantizationType.Q4_1)
     model = load_model(open_gguf(path, None), CpuBackend(2, int8=True))
     plan, c = model._decode_plan, model.config
