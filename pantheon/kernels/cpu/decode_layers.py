@@ -201,12 +201,12 @@ def _team_layers(n_threads, spin_limit, sync, claims, x, h, qtypes, rows, flips,
     u = team.unowned
     for t in numba.prange(n_threads):
         # np.int64(t): numba types the body twice, with t int64 (the function) and uint64 (the parallel loop);
-        # without the cast each signature compiles its own copy of `_team_member`, ~40 s of a cold start.
-        _team_member(np.int64(t), n_threads, spin_limit, u(sync), u(claims), u(x), u(h), u(qtypes), u(rows), u(flips), w_qkv,
-                     w_out, w_gate_up, w_down, u(ffn_norms), u(next_norms), eps, k_pools, v_pools, u(slots),
-                     u(positions), u(cos_table), u(sin_table), scale, u(first_item), per_subgroup, n_subgroups,
-                     max_splits, u(part_max), u(part_sum), u(part_acc), u(qkv), u(attn), u(o), u(gate_up), u(ff),
-                     u(d), (u(q_d[0]), u(q_d[1]), u(q_d[2])), (u(q_a[0]), u(q_a[1]), u(q_a[2])),
+        # without the cast each signature compiles its own copy of `_team_member`, ~20 s of a cold start.
+        _team_member(np.int64(t), n_threads, spin_limit, u(sync), u(claims), u(x), u(h), u(qtypes), u(rows),
+                     u(flips), w_qkv, w_out, w_gate_up, w_down, u(ffn_norms), u(next_norms), eps, k_pools, v_pools,
+                     u(slots), u(positions), u(cos_table), u(sin_table), scale, u(first_item), per_subgroup,
+                     n_subgroups, max_splits, u(part_max), u(part_sum), u(part_acc), u(qkv), u(attn), u(o),
+                     u(gate_up), u(ff), u(d), (u(q_d[0]), u(q_d[1]), u(q_d[2])), (u(q_a[0]), u(q_a[1]), u(q_a[2])),
                      (u(q_f[0]), u(q_f[1]), u(q_f[2])), out_qtype, u(out_packed), out_flip, u(logits))
 
 

@@ -873,8 +873,8 @@ def _attention_decode_kernel(q, k_all, v_all, slot_ids, positions, scale, out):
     part_max, part_sum, part_acc = _split_states(n_seqs, n_q_heads, head_dim, max_splits)
     scale32 = np.float32(scale)
     for item in prange(first_item[n_seqs]):
-        b, split, kvh, h0, n_heads, k_lo, k_hi = _decode_item(np.int64(item), first_item, per_subgroup, n_subgroups, group,
-                                                              n_kv_heads, positions)
+        b, split, kvh, h0, n_heads, k_lo, k_hi = _decode_item(np.int64(item), first_item, per_subgroup,
+                                                              n_subgroups, group, n_kv_heads, positions)
         keys = k_all[slot_ids[b]]
         values = v_all[slot_ids[b]]
         scratch = _item_scratch(n_heads, head_dim)
@@ -960,8 +960,8 @@ def _attention_decode_qkv_kernel(qkv, neox, cos_table, sin_table, k_all, v_all, 
     for item in prange(first_item[n_seqs]):
         # np.int64(item): the body is typed with item int64 and uint64 (the parallel loop's); uncast, each
         # compiles its own copy of the item function.
-        _attention_qkv_item(np.int64(item), qkv, neox, cos_table, sin_table, k_all, v_all, slot_ids, positions, scale32, out,
-                            first_item, per_subgroup, n_subgroups, part_max, part_sum, part_acc,
+        _attention_qkv_item(np.int64(item), qkv, neox, cos_table, sin_table, k_all, v_all, slot_ids, positions,
+                            scale32, out, first_item, per_subgroup, n_subgroups, part_max, part_sum, part_acc,
                             _item_scratch(per_subgroup, head_dim))
     _merge_splits(positions, part_max, part_sum, part_acc, out)
 
