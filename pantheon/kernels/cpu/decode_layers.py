@@ -200,8 +200,7 @@ def _team_layers(n_threads, spin_limit, sync, claims, x, h, qtypes, rows, flips,
     the words both threads would write, per call below)."""
     u = team.unowned
     for t in numba.prange(n_threads):
-        # np.int64(t): numba types the body twice, with t int64 (the function) and uint64 (the parallel loop);
-        # without the cast each signature compiles its own copy of `_team_member`, ~20 s of a cold start.
+        # np.int64(t): one compiled `_team_member`, not two (see ops._njit_parallel).
         _team_member(np.int64(t), n_threads, spin_limit, u(sync), u(claims), u(x), u(h), u(qtypes), u(rows),
                      u(flips), w_qkv, w_out, w_gate_up, w_down, u(ffn_norms), u(next_norms), eps, k_pools, v_pools,
                      u(slots), u(positions), u(cos_table), u(sin_table), scale, u(first_item), per_subgroup,

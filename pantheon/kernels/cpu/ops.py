@@ -30,6 +30,9 @@ from pantheon.kernels.cpu.llvm_ir import call
 _FASTMATH = {"reassoc", "contract"}
 _njit = numba.njit(cache=True, nogil=True, fastmath=_FASTMATH, error_model="numpy")
 _njit_parallel = numba.njit(cache=True, nogil=True, fastmath=_FASTMATH, error_model="numpy", parallel=True)
+# A prange body hands its loop index to a compiled function as np.int64(index): numba types the body twice, the
+# index int64 in the function and uint64 in the parallel loop, and each type compiles its own copy of the
+# callee (for the decode step's `_team_member`, ~20 s of a cold start).
 # Inlined by numba into its callers: an array passed to a compiled call is reference-counted around it, an
 # atomic increment and decrement per array and call (in a per-16-keys loop, ~12% of decode attention).
 _njit_inline = numba.njit(cache=True, nogil=True, fastmath=_FASTMATH, error_model="numpy", inline="always")
@@ -958,8 +961,6 @@ def _attention_decode_qkv_kernel(qkv, neox, cos_table, sin_table, k_all, v_all, 
     part_max, part_sum, part_acc = _split_states(n_seqs, n_q_heads, head_dim, max_splits)
     scale32 = np.float32(scale)
     for item in prange(first_item[n_seqs]):
-        # np.int64(item): the body is typed with item int64 and uint64 (the parallel loop's); uncast, each
-        # compiles its own copy of the item function.
         _attention_qkv_item(np.int64(item), qkv, neox, cos_table, sin_table, k_all, v_all, slot_ids, positions,
                             scale32, out, first_item, per_subgroup, n_subgroups, part_max, part_sum, part_acc,
                             _item_scratch(per_subgroup, head_dim))
