@@ -13,12 +13,16 @@ import numpy as np
 
 from pantheon.config import DEFAULT_CTX_CAP, EnvKnobs, ModelOptions
 from pantheon.engine.constraints import grammar_tokenizer
+from pantheon.engine.side_compile import CpuSettings, SideCompile, mark_warm, warm_key
+from pantheon.engine.side_compile import start as start_side_compile
 from pantheon.errors import ModelLoadError
 from pantheon.io.chat_template import ChatTemplate, TemplateRenderError
 from pantheon.io.gguf_file import GGUFFile, open_gguf
 from pantheon.io.tokenizer import Tokenizer, TokenizerError
 from pantheon.models.base import last_backend, layer_backend
 from pantheon.models.registry import load_model
+
+log = logging.getLogger("pantheon.models")
 
 
 @dataclass
@@ -85,15 +89,13 @@ def _grammar_tokenizer(tokenizer: Tokenizer) -> Any:
     try:
         return grammar_tokenizer(tokenizer)
     except Exception as exc:  # noqa: BLE001 - constrained decoding is optional; serving is not
-        logging.getLogger("pantheon.models").warning("grammar-constrained decoding unavailable: %s", exc)
+        log.warning("grammar-constrained decoding unavailable: %s", exc)
         return None
 
 
-def _warm_up(model: Any) -> None:
-    """Run every kernel path once (a short and a long prefill, a batched decode) so numba's compiled code is
-    loaded before the first request, which would otherwise pay for it and skew the measured prefill rate.
-    The repetition detector's and the sampler's compiled helpers too (the detector runs in the event loop,
-    where a first compile would stall every stream)."""
+def warm_prefill(model: Any, state: Any = None) -> None:
+    """The prefill half of the warm-up (see `_warm_up`): the sampler's and the repetition detector's compiled
+    helpers, a 40-token and a 2-token prefill (into slots 0 and 1 of `state`, else of a new one)."""
     from pantheon.engine.repetition import RepetitionDetector
     from pantheon.engine.sampling import _nucleus_pick, _sample_top_k, top_k
     from pantheon.models.base import BatchRow
@@ -102,11 +104,44 @@ def _warm_up(model: Any) -> None:
     top_k(np.zeros(4, dtype=np.float32), 2)
     _sample_top_k(np.zeros(4, dtype=np.float32), 2, 1.0, 0.9, 0.5)
     _nucleus_pick(np.full(4, 0.25), 1.0, 0.9, 0.5)
-
-    state = model.new_state(2, 48)
+    state = model.new_state(2, 48) if state is None else state
     model.forward(state, [BatchRow(0, np.arange(40, dtype=np.int32) % model.vocab_size, 0)])
     model.forward(state, [BatchRow(1, np.array([1, 2], np.int32), 0)])
+
+
+def _warm_up(model: Any, side: SideCompile | None = None) -> None:
+    """Run every kernel path once (a short and a long prefill, a batched decode) so numba's compiled code is
+    loaded before the first request, which would otherwise pay for it and skew the measured prefill rate.
+    The repetition detector's and the sampler's compiled helpers too (the detector runs in the event loop,
+    where a first compile would stall every stream). With a child compiling the prefill path (`side`), the
+    decode step first (first tokens in both slots), then the child's kernels into the cache, then the rest."""
+    from pantheon.models.base import BatchRow
+
+    state = model.new_state(2, 48)
+    began = time.perf_counter()
+    if side is not None:
+        model.forward(state, [BatchRow(0, np.array([3], np.int32), 0), BatchRow(1, np.array([3], np.int32), 0)])
+        decoded = time.perf_counter()
+        copied = side.finish(decoded - began)
+        waited = time.perf_counter()
+    warm_prefill(model, state)
     model.forward(state, [BatchRow(0, np.array([3], np.int32), 40), BatchRow(1, np.array([3], np.int32), 2)])
+    if side is not None:
+        log.info("warm-up %.1f s: the decode step %.1f s, the child %.1f s more (%d of its functions copied into the "
+                 "cache), the rest %.1f s", time.perf_counter() - began, decoded - began, waited - decoded, copied,
+                 time.perf_counter() - waited)
+
+
+def _side_compile(options: ModelOptions, backend: Any) -> tuple[SideCompile | None, str | None]:
+    """A child compiling the prefill path beside this load (`side_compile`), and the key of the marker a
+    finished warm-up leaves; (None, None) off the cpu backend."""
+    from pantheon.kernels.cpu.backend import CpuBackend
+
+    if not isinstance(backend, CpuBackend):
+        return None, None
+    settings = CpuSettings(int8=backend.int8, threads=backend.threads, quantize=options.quantize)
+    key = warm_key(options.path, settings)
+    return start_side_compile(options.path, settings, key), key
 
 
 class QuantizeAtLoad:
@@ -202,22 +237,31 @@ def read_model_file(options: ModelOptions, env: EnvKnobs) -> ModelFile:
         raise
 
 
-def load_served_model(options: ModelOptions, env: EnvKnobs, backend: Any, file: ModelFile | None = None
-                      ) -> LoadedModel:
+def load_served_model(options: ModelOptions, env: EnvKnobs, backend: Any, file: ModelFile | None = None,
+                      side_compile: bool = False) -> LoadedModel:
     """The model of options.path on backend, warmed up, with its tokenizer and template. `file`: what
-    `read_model_file` read already (elsewhere), which this then owns."""
+    `read_model_file` read already (elsewhere), which this then owns. `side_compile`: on a first load with
+    these settings, compile the prefill path's kernels in a child process meanwhile (`side_compile`)."""
     if file is None:
         file = read_model_file(options, env)
+    side, key = _side_compile(options, backend) if side_compile else (None, None)
     quantizing = QuantizeAtLoad(backend) if options.quantize else None
     try:
-        model = load_model(file.gguf, quantizing or backend)
-    except Exception:
-        file.gguf.close()
+        try:
+            model = load_model(file.gguf, quantizing or backend)
+        except Exception:
+            file.gguf.close()
+            raise
+        _warm_up(model, side)
+    except BaseException:
+        if side is not None:
+            side.abandon()
         raise
     weights_version = file.weights_version
     if quantizing is not None and quantizing.quantized[0]:
         weights_version = quantized_weights_version(weights_version)
-    _warm_up(model)
+    if key is not None:
+        mark_warm(key)
     ctx_cap = min(options.ctx_cap if options.ctx_cap > 0 else DEFAULT_CTX_CAP, model.context_length)
     return LoadedModel(
         lltokenizer=file.lltokenizer,

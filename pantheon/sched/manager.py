@@ -138,7 +138,7 @@ class ModelManager:
                                       f"models only (name one die in 'dies')")
                 backend = self._backend_for(options)
                 served: LoadedModel = await self._forward_thread(backend).run(
-                    load_served_model, options, self.env, backend, file)
+                    load_served_model, options, self.env, backend, file, True)
             except FileNotFoundError as exc:
                 raise load_failed(404, str(exc)) from None
             except ModelLoadError as exc:
