@@ -134,4 +134,4 @@ def test_a_load_whose_kernels_are_cached_stops_its_child_and_marks_the_model_war
 
 def test_the_child_is_started_only_on_the_cpu_backend(tmp_path: Path) -> None:
     options = ModelOptions(path=tmp_path / "absent.gguf", name="x")
-    assert loader._side_compile(options, object()) == (None, None)
+    assert loader._side_compile(options, read_env(), object()) == (None, None)

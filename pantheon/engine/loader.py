@@ -21,6 +21,7 @@ from pantheon.io.gguf_file import GGUFFile, open_gguf
 from pantheon.io.tokenizer import Tokenizer, TokenizerError
 from pantheon.models.base import last_backend, layer_backend
 from pantheon.models.registry import load_model
+from pantheon.sched.memory import read_meminfo
 
 log = logging.getLogger("pantheon.models")
 
@@ -132,7 +133,7 @@ def _warm_up(model: Any, side: SideCompile | None = None) -> None:
                  time.perf_counter() - waited)
 
 
-def _side_compile(options: ModelOptions, backend: Any) -> tuple[SideCompile | None, str | None]:
+def _side_compile(options: ModelOptions, env: EnvKnobs, backend: Any) -> tuple[SideCompile | None, str | None]:
     """A child compiling the prefill path beside this load (`side_compile`), and the key of the marker a
     finished warm-up leaves; (None, None) off the cpu backend."""
     from pantheon.kernels.cpu.backend import CpuBackend
@@ -141,7 +142,11 @@ def _side_compile(options: ModelOptions, backend: Any) -> tuple[SideCompile | No
         return None, None
     settings = CpuSettings(int8=backend.int8, threads=backend.threads, quantize=options.quantize)
     key = warm_key(options.path, settings)
-    return start_side_compile(options.path, settings, key), key
+    try:
+        available = read_meminfo(env.meminfo_path).available_bytes
+    except (OSError, ValueError):  # no meminfo to read (not Linux): no child, as with too little memory
+        available = 0
+    return start_side_compile(options.path, settings, key, available), key
 
 
 class QuantizeAtLoad:
@@ -244,7 +249,7 @@ def load_served_model(options: ModelOptions, env: EnvKnobs, backend: Any, file: 
     these settings, compile the prefill path's kernels in a child process meanwhile (`side_compile`)."""
     if file is None:
         file = read_model_file(options, env)
-    side, key = _side_compile(options, backend) if side_compile else (None, None)
+    side, key = _side_compile(options, env, backend) if side_compile else (None, None)
     quantizing = QuantizeAtLoad(backend) if options.quantize else None
     try:
         try:

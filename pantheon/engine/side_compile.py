@@ -80,18 +80,6 @@ def mark_warm(key: str) -> None:
         log.warning("cannot mark the kernel cache warm: %s", exc)
 
 
-def _available_memory() -> int:
-    """MemAvailable in bytes, or 0 where /proc/meminfo does not say."""
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
-
-
 def _copy_atomic(source: Path, target: Path) -> None:
     partial = target.with_name(f"{target.name}.{os.getpid()}.partial")
     shutil.copyfile(source, partial)
@@ -152,19 +140,19 @@ class SideCompile:
             shutil.rmtree(self.scratch, ignore_errors=True)
 
     def abandon(self) -> None:
-        """Stops the child (the load failed) and removes its folder."""
+        """Stops the child (the load failed, or the kernels were cached after all) and removes its folder."""
         if self.process.poll() is None:
             self.process.kill()
             self.process.wait()
         shutil.rmtree(self.scratch, ignore_errors=True)
 
 
-def start(path: Path, settings: CpuSettings, key: str) -> SideCompile | None:
+def start(path: Path, settings: CpuSettings, key: str, available_bytes: int) -> SideCompile | None:
     """A child compiling the prefill path of `path`'s model, or None where there is no need or no room for one
-    (see the module docstring)."""
+    (see the module docstring; available_bytes: the host's free memory)."""
     if _marker(key).exists():
         return None
-    if _available_memory() < 3 * path.stat().st_size:
+    if available_bytes < 3 * path.stat().st_size:
         return None
     try:
         cache_folder().mkdir(parents=True, exist_ok=True)

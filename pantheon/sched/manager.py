@@ -11,6 +11,7 @@ other instances already claimed, or PN_HOST_BUDGET_BYTES when set.
 
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
 from typing import Any
@@ -138,7 +139,7 @@ class ModelManager:
                                       f"models only (name one die in 'dies')")
                 backend = self._backend_for(options)
                 served: LoadedModel = await self._forward_thread(backend).run(
-                    load_served_model, options, self.env, backend, file, True)
+                    functools.partial(load_served_model, side_compile=True), options, self.env, backend, file)
             except FileNotFoundError as exc:
                 raise load_failed(404, str(exc)) from None
             except ModelLoadError as exc:
