@@ -10,7 +10,7 @@ HTTP levels measure through the scheduler.
 
 Used by bench/concurrency.py; also runnable on its own:
 
-    .venv/bin/python bench/batched.py [--levels 1,2,4,8] [--tokens 64] [--threads 2]
+    .venv/bin/python bench/batched.py [--levels 1,2,4,8] [--tokens 64] [--threads 2] [--model FILE.gguf]
 """
 
 from __future__ import annotations
@@ -206,9 +206,10 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64, help="tokens each sequence decodes")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--model", type=Path, help="another GGUF file (default: the default model)")
     args = ap.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
-    path = default_model()
+    path = args.model or default_model()
     ours = PantheonBatched(path, args.threads)
     prompts = [ours.prompt_ids(PROMPTS[i % len(PROMPTS)]) for i in range(max(levels))]
     ref = LlamaCppProcess.load(path, args.threads, max(levels), max(map(len, prompts)) + args.tokens + 8,

@@ -1,6 +1,6 @@
 """Prefill and single-stream decode speed on the default model, Pantheon vs llama.cpp, in one run.
 
-    .venv/bin/python bench/decode.py [--threads 2] [--prompt 512] [--decode 128] [--runs 3]
+    .venv/bin/python bench/decode.py [--threads 2] [--prompt 512] [--decode 128] [--runs 3] [--model FILE.gguf]
 
 llama.cpp runs through llama-cpp-python when it is importable (`pip install -e '.[bench]'`), with the same
 thread count, prompt tokens and greedy decoding. Prints medians and the ratio Pantheon / llama.cpp, and
@@ -109,8 +109,9 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--decode", type=int, default=128)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--model", type=Path, help="another GGUF file (default: the default model)")
     args = ap.parse_args()
-    path = default_model()
+    path = args.model or default_model()
     ours = bench_pantheon(path, args.threads, args.prompt, args.decode, args.runs)
     from pantheon.io.gguf_file import open_gguf
     from pantheon.io.tokenizer import Tokenizer
@@ -120,7 +121,7 @@ def main() -> None:
     bandwidth = memory_read_gb_s(args.threads)
     per_token = weight_bytes_per_token(path)
     floor = bandwidth * 1e9 / per_token
-    print(f"SmolLM2-135M-Instruct Q4_1, {args.threads} threads, prompt {args.prompt}, decode {args.decode}, "
+    print(f"{path.name}, {args.threads} threads, prompt {args.prompt}, decode {args.decode}, "
           f"median of {args.runs}, {'int8' if read_env().cpu_int8 else 'float32'} activations "
           "(PANTHEON_CPU_INT8)")
     print(f"memory-bandwidth floor: {per_token / 1e6:.1f} MB of weights per token at {bandwidth:.1f} GB/s "
@@ -130,7 +131,7 @@ def main() -> None:
         r = ref[key] if ref else float("nan")
         of_floor = f"{ours[key] / floor:>16.2f}" if key == "decode_tok_s" else f"{'-':>16}"
         print(f"{label:<28}{ours[key]:>12.1f}{r:>12.1f}{ours[key] / r if ref else float('nan'):>8.2f}{of_floor}")
-    out = write_result("decode", {"args": vars(args), "pantheon": ours, "llama_cpp": ref,
+    out = write_result("decode", {"args": {**vars(args), "model": str(path)}, "pantheon": ours, "llama_cpp": ref,
                                   "floor": {"weight_bytes_per_token": per_token, "read_gb_s": bandwidth,
                                             "decode_tok_s": floor}})
     print(f"wrote {out}")

@@ -388,12 +388,13 @@ def build_plan(blocks: list[Any], output_norm: np.ndarray, head_dim: int, int8: 
     if (tok_embd is not None and output is not None and getattr(tok_embd, "qtype", quant.F32) != quant.F32
             and tok_embd.qtype in quant.SUPPORTED_TYPES and getattr(output, "qtype", None) in int8dot.INT8_TYPES):
         ends = DecodeEnds(embd_qtype=tok_embd.qtype, embd_data=tok_embd.data,
-                          first_norm=np.asarray(blocks[0].attn_norm, dtype=np.float32), out_qtype=output.qtype,
+                          first_norm=np.asarray(blocks[0].attn_norm, dtype=np.float32),
+                          out_qtype=int8dot.kernel_qtype(output.qtype),
                           out_packed=output.int8_packed, out_rows=output.rows,
                           out_flip=np.int32(int8dot._flip(output.qtype, int8dot.INT8_ISA)))
     return DecodePlan(
         ends=ends,
-        qtypes=np.array([[w.qtype for w in layer] for layer in matrices], dtype=np.int64),
+        qtypes=np.array([[int8dot.kernel_qtype(w.qtype) for w in layer] for layer in matrices], dtype=np.int64),
         rows=np.array([[w.rows for w in layer] for layer in matrices], dtype=np.int64),
         flips=np.array([[int8dot._flip(w.qtype, int8dot.INT8_ISA) for w in layer] for layer in matrices],
                        dtype=np.int32),

@@ -1,4 +1,4 @@
-"""Integer dot products of Q4_1 / Q8_0 weight rows with int8-quantized activations (x86 only).
+"""Integer dot products of Q4_1 / Q8_0 (and Q4_0) weight rows with int8-quantized activations (x86 only).
 
 The arithmetic llama.cpp's CPU backend does for these types: each activation row is quantized once per matmul
 to blocks of 32 int8 values with a float32 scale (`quantize_rows`, round to nearest, scale = max|x| / 127),
@@ -53,8 +53,9 @@ from pantheon.kernels.cpu.llvm_ir import call, fma, splat
 
 __all__ = ["INT8_ISA", "INT8_TYPES", "matmul", "pack_weight", "quantize_rows"]
 
-Q4_1, Q8_0 = 3, 8
-INT8_TYPES: frozenset[int] = frozenset({Q4_1, Q8_0})
+Q4_0, Q4_1, Q8_0 = 2, 3, 8
+# Q4_0 runs on the Q4_1 kernels: `pack_weight` writes its blocks as Q4_1 ones (`kernel_qtype`).
+INT8_TYPES: frozenset[int] = frozenset({Q4_0, Q4_1, Q8_0})
 QK = 32  # values per activation block (and per Q4_1 / Q8_0 weight block)
 LANES = 8  # weight rows side by side in the lanes of one vector
 # Bytes of one packed block of 8 rows (see `pack_weight`): Q4_1 8 f16 d, 8 f16 m, 128 bytes of nibbles; Q8_0
@@ -289,6 +290,24 @@ def _block_loop(builder: ir.IRBuilder, name: str, n_blocks: ir.Value, n_acc: int
     return finals
 
 
+def _store_lanes(builder: ir.IRBuilder, o: Any, rows: list[ir.Value], n0: ir.Value, n_out: ir.Value,
+                 totals: list[ir.Value], lanes: int) -> None:
+    """out[rows[r], n0 : n0 + lanes] = totals[r] (o: the out array's struct), only the lanes below n_out."""
+    n_valid = builder.sub(n_out, n0)
+    whole = builder.icmp_signed(">=", n_valid, ir.Constant(_i64, lanes))
+    for r, total in enumerate(totals):
+        first = builder.gep(o.data, [builder.add(builder.mul(rows[r], n_out), n0)])
+        with builder.if_else(whole) as (all_lanes, some_lanes):
+            with all_lanes:
+                builder.store(total, builder.bitcast(first, total.type.as_pointer()), align=4)
+            with some_lanes:  # the last group of a matrix whose rows are not a multiple of 8
+                for lane in range(lanes):
+                    inside = builder.icmp_signed(">", n_valid, ir.Constant(_i64, lane))
+                    with builder.if_then(inside):
+                        builder.store(builder.extract_element(total, ir.Constant(_i32, lane)),
+                                      builder.gep(first, [ir.Constant(_i64, lane)]))
+
+
 def _make_rows_dot(n_x: int, isa: str, lanes: int = LANES) -> Any:
     """An intrinsic (qtype, packed, g, xq, xd, xs, b, out, n0) that sets out[b + r, n0 : n0 + 8] (the part of it
     inside out) for r < n_x to the dot products of packed group g of 8 weight rows (row g of a `pack_weight`
@@ -354,19 +373,7 @@ def _make_rows_dot(n_x: int, isa: str, lanes: int = LANES) -> Any:
         if q4:
             totals = [builder.fadd(t, m)
                       for t, m in zip(totals, _block_loop(builder, "m", n_blocks, n_x, lanes, m_terms))]
-        n_valid = builder.sub(n_out, n0)
-        whole = builder.icmp_signed(">=", n_valid, ir.Constant(_i64, lanes))
-        for r, total in enumerate(totals):
-            first = builder.gep(o.data, [builder.add(builder.mul(rows[r], n_out), n0)])
-            with builder.if_else(whole) as (all_lanes, some_lanes):
-                with all_lanes:
-                    builder.store(total, builder.bitcast(first, total.type.as_pointer()), align=4)
-                with some_lanes:  # the last group of a matrix whose rows are not a multiple of 8
-                    for lane in range(lanes):
-                        inside = builder.icmp_signed(">", n_valid, ir.Constant(_i64, lane))
-                        with builder.if_then(inside):
-                            builder.store(builder.extract_element(total, ir.Constant(_i32, lane)),
-                                          builder.gep(first, [ir.Constant(_i64, lane)]))
+        _store_lanes(builder, o, rows, n0, n_out, totals, lanes)
 
     rows_dot.__name__ = rows_dot.__qualname__ = f"rows_dot_{n_x}_{isa}_{lanes}"
     return intrinsic(rows_dot)
@@ -416,12 +423,32 @@ def _pack_rows(qtype, data, packed, n_blocks):
                     dst[base + 16 + 4 * lane + k] = np.uint8((correction >> np.uint32(8 * k)) & np.uint32(255))
 
 
+def kernel_qtype(qtype: int) -> int:
+    """The type whose kernels run a `qtype` weight packed by `pack_weight`: Q4_1 for Q4_0, else itself."""
+    return Q4_1 if qtype == Q4_0 else qtype
+
+
+def _q4_0_as_q4_1(data: np.ndarray) -> np.ndarray:
+    """Q4_0 rows (blocks of f16 d and 16 nibble bytes, value d * (q - 8)) as Q4_1 rows (d, m, the same nibbles,
+    value d * q + m) with m = -8 * d: exact in f16 (a power of two times d; |d| < 8188, far past any real scale)."""
+    blocks = data.reshape(data.shape[0], -1, 18)
+    d = np.ascontiguousarray(blocks[:, :, :2]).view(np.float16)
+    out = np.empty((blocks.shape[0], blocks.shape[1], 20), np.uint8)
+    out[:, :, :2] = blocks[:, :, :2]
+    out[:, :, 2:4] = (d.astype(np.float32) * np.float32(-8.0)).astype(np.float16).view(np.uint8)
+    out[:, :, 4:] = blocks[:, :, 2:]
+    return out.reshape(data.shape[0], -1)
+
+
 def pack_weight(qtype: int, data: np.ndarray) -> np.ndarray:
-    """A Q4_1 or Q8_0 weight's rows (raw GGUF bytes, (N, row_bytes) uint8) rearranged for the row dots, once at
-    load: (ceil(N / 8), blocks * group bytes), row g holding weight rows 8g..8g+7 block by block. A block of
-    the 8 rows is, for Q4_1, [8 f16 d][8 f16 m][4 x 32 bytes: vector t, lane i = bytes 4t..4t+3 of row i's
+    """A Q4_0, Q4_1 or Q8_0 weight's rows (raw GGUF bytes, (N, row_bytes) uint8) rearranged for the row dots,
+    once at load: (ceil(N / 8), blocks * group bytes), row g holding weight rows 8g..8g+7 block by block. A block
+    of the 8 rows is, for Q4_1, [8 f16 d][8 f16 m][4 x 32 bytes: vector t, lane i = bytes 4t..4t+3 of row i's
     nibbles], for Q8_0 [8 f16 d][8 int32 128 * sum(q)][8 x 32 bytes: vector u, lane i = values 4u..4u+3 of
-    row i]; the lanes past the last row are zero. Same size (plus Q8_0's corrections)."""
+    row i]; the lanes past the last row are zero. Same size (plus Q8_0's corrections). Q4_0 is packed as the
+    Q4_1 weight it equals (`kernel_qtype`), 2 bytes a block larger."""
+    if qtype == Q4_0:
+        qtype, data = Q4_1, _q4_0_as_q4_1(data)
     n_blocks = data.shape[1] // (20 if qtype == Q4_1 else 34)
     n_groups = -(-data.shape[0] // LANES)
     packed = np.zeros((n_groups, n_blocks * (Q4_1_GROUP if qtype == Q4_1 else Q8_0_GROUP)), np.uint8)
@@ -593,6 +620,7 @@ def matmul(qtype: int, packed: np.ndarray, x: np.ndarray, out: np.ndarray, threa
     Python to a decode step's few hundred matmuls. `threads`: the thread count, when the caller knows it
     (numba.get_num_threads costs 0.75 us, ~0.1 ms of a decode step's 120 matmuls)."""
     n_chunks = 4 * (threads or numba.get_num_threads())
+    qtype = kernel_qtype(qtype)
     _matmul(qtype, packed, x, out, _flip(qtype, INT8_ISA), n_chunks)
 
 
@@ -613,4 +641,5 @@ def _serial_gemm(isa: str) -> Any:
 
 def matmul_with_isa(isa: str, qtype: int, packed: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
     """`matmul` on the kernels of `isa` ("vnni" or "avx2"; the CPU must have it), serially; for tests."""
+    qtype = kernel_qtype(qtype)
     _serial_gemm(isa)(qtype, packed, *_quantize(x, _flip(qtype, isa)), out)

@@ -34,7 +34,7 @@ from llvmlite import ir
 from numba import prange, types
 from numba.extending import intrinsic
 
-from pantheon.kernels.cpu import int8dot
+from pantheon.kernels.cpu import int8dot, int8k
 
 __all__ = [
     "SUPPORTED_TYPES",
@@ -63,6 +63,10 @@ _N16 = 16
 # Fast-math without nnan/ninf: reassociation lets the dot products vectorize, and NaN/Inf in the data still propagate.
 _FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
 _KERNEL = dict(cache=True, nogil=True, fastmath=_FASTMATH)
+
+
+# Types with integer kernels (int8 activations): int8dot's, and int8k's K-quants.
+INT8_KERNEL_TYPES: frozenset[int] = int8dot.INT8_TYPES | int8k.K_TYPES
 
 
 class UnsupportedTensorType(ValueError):
@@ -99,8 +103,11 @@ class QWeight:
 
     @functools.cached_property
     def int8_packed(self) -> np.ndarray:
-        """The rows rearranged for the int8 kernels (`int8dot.pack_weight`), built on first use (the load's
-        warm-up forward) and kept; Q4_1 and Q8_0 only. Two threads racing here build the same array twice."""
+        """The rows rearranged for the int8 kernels (`int8dot.pack_weight`, `int8k.pack_weight` for Q4_K and
+        Q6_K), built on first use (the load's warm-up forward) and kept; the types of `INT8_KERNEL_TYPES` only.
+        Two threads racing here build the same array twice."""
+        if self.qtype in int8k.K_TYPES:
+            return int8k.pack_weight(self.qtype, self.data)
         return int8dot.pack_weight(self.qtype, self.data)
 
 
@@ -139,7 +146,7 @@ def matmul(w: QWeight, x: np.ndarray, out: np.ndarray | None = None, *, int8: bo
     """out = x @ dequantize(w).T, float32 (B, N).
 
     x is float32 (B, K), C-contiguous; out, if given, is float32 (B, N), C-contiguous, and is written in place.
-    int8: for the types of `int8dot.INT8_TYPES`, on CPUs that have the instructions, x is first rounded to int8
+    int8: for the types of `INT8_KERNEL_TYPES`, on CPUs that have the instructions, x is first rounded to int8
     blocks and the products are integer (llama.cpp's arithmetic; see int8dot). Either way a row's result does
     not depend on the other rows of x. `threads`: numba's current thread count, when the caller knows it
     (asking numba costs ~0.75 us a call).
@@ -164,6 +171,8 @@ def matmul(w: QWeight, x: np.ndarray, out: np.ndarray | None = None, *, int8: bo
         return out
     if int8 and int8dot.INT8_ISA is not None and w.qtype in int8dot.INT8_TYPES:
         int8dot.matmul(w.qtype, w.int8_packed, x, out, threads)
+    elif int8 and int8dot.INT8_ISA is not None and w.qtype in int8k.K_TYPES:
+        int8k.matmul(w.qtype, w.int8_packed, x, out, threads)
     else:
         _gemm_rows(w.qtype, w.data, x, out, _N16, 4 * (threads or numba.get_num_threads()))
     return out

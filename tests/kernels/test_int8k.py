@@ -1,0 +1,151 @@
+"""pantheon.kernels.cpu.int8k (int8 activations x Q4_K / Q6_K weights) and int8dot's Q4_0 (run as Q4_1) against
+the numpy reference."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pantheon.kernels.cpu import int8dot, int8k, quant
+from pantheon.kernels.reference import quant as reference
+
+pytestmark = pytest.mark.skipif(int8dot.INT8_ISA is None, reason="no VNNI or AVX2 on this CPU: no int8 path")
+
+Q4_0, Q4_1, Q4_K, Q6_K = 2, 3, 12, 14
+TYPES = [Q4_0, Q4_K, Q6_K]
+IDS = ["Q4_0", "Q4_K", "Q6_K"]
+
+
+def weight(qtype: int, rows: int, cols: int, seed: int = 0) -> quant.QWeight:
+    raw = reference.random_weight_bytes(qtype, rows, cols, np.random.default_rng(seed))
+    return quant.prepare_weight(raw, qtype, rows, cols)
+
+
+def activations(batch: int, cols: int, seed: int = 1) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((batch, cols)) * rng.uniform(0.01, 30.0, (batch, 1))).astype(np.float32)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=IDS)
+@pytest.mark.parametrize("cols", [256, 768, 2048])  # 1, 3, 8 superblocks
+@pytest.mark.parametrize("batch", [1, 3, 4, 5, 8, 13])
+def test_matmul_matches_reference(qtype: int, cols: int, batch: int) -> None:
+    """37 rows: four whole groups of 8 and one of 5. Every row and block has its own scales (random bytes, so
+    every 6-bit scale and min, nibble and 2-bit plane pattern occurs)."""
+    w = weight(qtype, 37, cols, seed=cols)
+    x = activations(batch, cols, seed=batch)
+    out = np.full((batch, 37), np.nan, dtype=np.float32)
+    quant.matmul(w, x, out, int8=True)
+    expected = reference.matmul_int8(qtype, w.data, x)
+    err = np.linalg.norm(out - expected) / np.linalg.norm(expected)
+    assert err < 2e-6, err
+    exact = reference.matmul(qtype, w.data, x)
+    assert np.linalg.norm(out - exact) / np.linalg.norm(exact) < 0.02
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=IDS)
+def test_the_int8_path_is_not_the_float_path(qtype: int) -> None:
+    """These types really take the integer kernels with int8=True (the activations' rounding shows)."""
+    assert qtype in quant.INT8_KERNEL_TYPES
+    w = weight(qtype, 16, 512)
+    x = activations(2, 512)
+    assert not np.array_equal(quant.matmul(w, x, int8=True), quant.matmul(w, x))
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=IDS)
+def test_a_row_does_not_depend_on_its_batch(qtype: int) -> None:
+    """Bit for bit: rows 0..7 go through the eight-row variant, 8..11 the four-row one, 12 the one-row one."""
+    w = weight(qtype, 24, 512)
+    x = activations(13, 512)
+    batched = quant.matmul(w, x, int8=True)
+    for b in range(13):
+        alone = quant.matmul(w, np.ascontiguousarray(x[b : b + 1]), int8=True)
+        assert np.array_equal(alone[0], batched[b]), b
+
+
+@pytest.mark.parametrize("qtype", [Q4_K, Q6_K], ids=["Q4_K", "Q6_K"])
+def test_rows_not_a_multiple_of_8_write_only_their_outputs(qtype: int) -> None:
+    w = weight(qtype, 13, 256)
+    x = activations(9, 256)
+    buffer = np.full((9 * 13 + 16,), 7.0, dtype=np.float32)
+    out = buffer[: 9 * 13].reshape(9, 13)
+    quant.matmul(w, x, out, int8=True)
+    assert (buffer[9 * 13 :] == 7.0).all()
+    expected = reference.matmul_int8(qtype, w.data, x)
+    assert np.linalg.norm(out - expected) / np.linalg.norm(expected) < 2e-6
+
+
+@pytest.mark.parametrize("qtype", [Q4_K, Q6_K], ids=["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("isa", ["avx2", "vnni"])
+def test_the_other_kernels_give_the_same_bits(isa: str, qtype: int) -> None:
+    """The AVX2 variant runs on a VNNI machine too, serially; the integer sums are exact on both, so every output
+    matches the host's kernels bit for bit."""
+    if isa == "vnni" and int8dot.INT8_ISA != "vnni":
+        pytest.skip("no VNNI on this CPU")
+    w = weight(qtype, 21, 768)
+    x = activations(3, 768)
+    host = quant.matmul(w, x, int8=True)
+    out = np.full((3, 21), np.nan, dtype=np.float32)
+    int8k.matmul_with_isa(isa, qtype, w.int8_packed, x, out)
+    np.testing.assert_array_equal(out, host)
+
+
+def _unpacked(qtype: int, packed: np.ndarray, rows: int) -> np.ndarray:
+    """The float32 (rows, K) weight read back from int8k's packed layout as its docstring describes it."""
+    group = int8k.Q4_K_GROUP if qtype == Q4_K else int8k.Q6_K_GROUP
+    n_super = packed.shape[1] // group
+    out = np.zeros((rows, n_super * 256), np.float32)
+    for n in range(rows):
+        g, lane = divmod(n, 8)
+        for s in range(n_super):
+            sb = packed[g, s * group : (s + 1) * group]
+            d = np.float32(sb[2 * lane : 2 * lane + 2].view(np.float16)[0])
+            for j in range(8):
+                if qtype == Q4_K:
+                    nib = sb[160 + 128 * j : 160 + 128 * j + 128]
+                else:
+                    nib = sb[144 + 192 * j : 144 + 192 * j + 128]
+                    planes = sb[144 + 192 * j + 128 : 144 + 192 * j + 192]
+                for v in range(32):
+                    k = v % 16
+                    byte = nib[32 * (k // 4) + 4 * lane + k % 4]
+                    q = int(byte & 15) if v < 16 else int(byte >> 4)
+                    if qtype == Q4_K:
+                        dmin = np.float32(sb[16 + 2 * lane : 18 + 2 * lane].view(np.float16)[0])
+                        sc, mn = int(sb[32 + 8 * j + lane]), int(sb[96 + 8 * j + lane])
+                        value = d * np.float32(sc) * np.float32(q) - dmin * np.float32(mn)
+                    else:
+                        u, p = divmod(v, 4)
+                        high = (int(planes[32 * (u // 4) + 4 * lane + p]) >> (2 * (u % 4))) & 3
+                        sc = int(sb[16 + 8 * (2 * j + v // 16) + lane].view(np.int8))
+                        value = d * np.float32(sc) * np.float32((q | high << 4) - 32)
+                    out[n, 256 * s + 32 * j + v] = value
+    return out
+
+
+@pytest.mark.parametrize("qtype", [Q4_K, Q6_K], ids=["Q4_K", "Q6_K"])
+def test_weight_layout(qtype: int) -> None:
+    """pack_weight's layout read back value by value gives the GGUF weight (gguf's own dequantization), and the
+    lanes past the last row are zero; the packed size is within 3% of the file's."""
+    w = weight(qtype, 11, 512)
+    packed = int8k.pack_weight(qtype, w.data)
+    group = int8k.Q4_K_GROUP if qtype == Q4_K else int8k.Q6_K_GROUP
+    assert packed.shape == (2, 2 * group) and packed.dtype == np.uint8
+    np.testing.assert_allclose(_unpacked(qtype, packed, 11), reference.dequantize(qtype, w.data), rtol=1e-6,
+                               atol=1e-7)
+    empty = _unpacked(qtype, packed, 16)[11:]
+    assert not empty.any()
+    assert packed.nbytes / 2 <= 1.03 * w.data.nbytes / 11 * 8
+
+
+def test_q4_0_is_packed_as_the_q4_1_weight_it_equals() -> None:
+    """Q4_0's blocks become Q4_1 ones with m = -8 d (exact), the same nibbles: the packed bytes are those of that
+    Q4_1 weight, and the kernels are Q4_1's."""
+    w = weight(Q4_0, 13, 96)
+    blocks = w.data.reshape(13, 3, 18)
+    d = np.ascontiguousarray(blocks[:, :, :2]).view(np.float16)
+    q4_1 = np.concatenate([blocks[:, :, :2], (d * np.float16(-8)).view(np.uint8), blocks[:, :, 2:]], axis=2)
+    as_q4_1 = np.ascontiguousarray(q4_1.reshape(13, 60))
+    assert np.array_equal(int8dot.pack_weight(Q4_0, w.data), int8dot.pack_weight(Q4_1, as_q4_1))
+    np.testing.assert_array_equal(reference.dequantize(Q4_1, as_q4_1), reference.dequantize(Q4_0, w.data))
+    assert int8dot.kernel_qtype(Q4_0) == Q4_1 and int8dot.kernel_qtype(Q4_1) == Q4_1
