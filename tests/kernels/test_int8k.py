@@ -1,5 +1,5 @@
-"""pantheon.kernels.cpu.int8k (int8 activations x Q4_K / Q6_K weights) and int8dot's Q4_0 (run as Q4_1) against
-the numpy reference."""
+"""pantheon.kernels.cpu.int8k (int8 activations x Q4_K / Q5_K / Q6_K / Q5_0 / Q5_1 weights) and int8dot's Q4_0
+(run as Q4_1) against the numpy reference."""
 
 from __future__ import annotations
 
@@ -11,9 +11,11 @@ from pantheon.kernels.reference import quant as reference
 
 pytestmark = pytest.mark.skipif(int8dot.INT8_ISA is None, reason="no VNNI or AVX2 on this CPU: no int8 path")
 
-Q4_0, Q4_1, Q4_K, Q6_K = 2, 3, 12, 14
-TYPES = [Q4_0, Q4_K, Q6_K]
-IDS = ["Q4_0", "Q4_K", "Q6_K"]
+Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 12, 13, 14
+TYPES = [Q4_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K]
+IDS = ["Q4_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]
+PACKED = [Q5_1, Q4_K, Q5_K, Q6_K]  # int8k's own layouts
+PACKED_IDS = ["Q5_1", "Q4_K", "Q5_K", "Q6_K"]
 
 
 def weight(qtype: int, rows: int, cols: int, seed: int = 0) -> quant.QWeight:
@@ -63,7 +65,7 @@ def test_a_row_does_not_depend_on_its_batch(qtype: int) -> None:
         assert np.array_equal(alone[0], batched[b]), b
 
 
-@pytest.mark.parametrize("qtype", [Q4_K, Q6_K], ids=["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", PACKED, ids=PACKED_IDS)
 def test_rows_not_a_multiple_of_8_write_only_their_outputs(qtype: int) -> None:
     w = weight(qtype, 13, 256)
     x = activations(9, 256)
@@ -75,7 +77,7 @@ def test_rows_not_a_multiple_of_8_write_only_their_outputs(qtype: int) -> None:
     assert np.linalg.norm(out - expected) / np.linalg.norm(expected) < 2e-6
 
 
-@pytest.mark.parametrize("qtype", [Q4_K, Q6_K], ids=["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", [Q5_0, *PACKED], ids=["Q5_0", *PACKED_IDS])
 @pytest.mark.parametrize("isa", ["avx2", "vnni"])
 def test_the_other_kernels_give_the_same_bits(isa: str, qtype: int) -> None:
     """The AVX2 variant runs on a VNNI machine too, serially; the integer sums are exact on both, so every output
@@ -92,45 +94,49 @@ def test_the_other_kernels_give_the_same_bits(isa: str, qtype: int) -> None:
 
 def _unpacked(qtype: int, packed: np.ndarray, rows: int) -> np.ndarray:
     """The float32 (rows, K) weight read back from int8k's packed layout as its docstring describes it."""
-    group = int8k.Q4_K_GROUP if qtype == Q4_K else int8k.Q6_K_GROUP
-    n_super = packed.shape[1] // group
-    out = np.zeros((rows, n_super * 256), np.float32)
+    group = int8k.GROUP[qtype]
+    block_values = 32 if qtype == Q5_1 else 256
+    n_blocks = packed.shape[1] // group
+    out = np.zeros((rows, n_blocks * block_values), np.float32)
+
+    def f16(block: np.ndarray, at: int) -> np.float32:
+        return np.float32(block[at : at + 2].view(np.float16)[0])
+
     for n in range(rows):
         g, lane = divmod(n, 8)
-        for s in range(n_super):
+        for s in range(n_blocks):
             sb = packed[g, s * group : (s + 1) * group]
-            d = np.float32(sb[2 * lane : 2 * lane + 2].view(np.float16)[0])
-            for j in range(8):
-                if qtype == Q4_K:
-                    nib = sb[160 + 128 * j : 160 + 128 * j + 128]
-                else:
-                    nib = sb[144 + 192 * j : 144 + 192 * j + 128]
-                    planes = sb[144 + 192 * j + 128 : 144 + 192 * j + 192]
+            d = f16(sb, 2 * lane)
+            for j in range(1 if qtype == Q5_1 else 8):
+                at = {Q5_1: 32, Q4_K: 160 + 128 * j, Q5_K: 160 + 160 * j, Q6_K: 144 + 192 * j}[qtype]
+                nib, planes = sb[at : at + 128], sb[at + 128 : at + 192]
                 for v in range(32):
-                    k = v % 16
+                    k, (u, p) = v % 16, divmod(v, 4)
                     byte = nib[32 * (k // 4) + 4 * lane + k % 4]
                     q = int(byte & 15) if v < 16 else int(byte >> 4)
-                    if qtype == Q4_K:
-                        dmin = np.float32(sb[16 + 2 * lane : 18 + 2 * lane].view(np.float16)[0])
-                        sc, mn = int(sb[32 + 8 * j + lane]), int(sb[96 + 8 * j + lane])
-                        value = d * np.float32(sc) * np.float32(q) - dmin * np.float32(mn)
-                    else:
-                        u, p = divmod(v, 4)
+                    if qtype in (Q5_1, Q5_K):
+                        q |= ((int(planes[4 * lane + p]) >> u) & 1) << 4
+                    if qtype == Q5_1:
+                        value = d * np.float32(q) + f16(sb, 16 + 2 * lane)
+                    elif qtype == Q6_K:
                         high = (int(planes[32 * (u // 4) + 4 * lane + p]) >> (2 * (u % 4))) & 3
                         sc = int(sb[16 + 8 * (2 * j + v // 16) + lane].view(np.int8))
                         value = d * np.float32(sc) * np.float32((q | high << 4) - 32)
-                    out[n, 256 * s + 32 * j + v] = value
+                    else:
+                        sc, mn = int(sb[32 + 8 * j + lane]), int(sb[96 + 8 * j + lane])
+                        value = d * np.float32(sc) * np.float32(q) - f16(sb, 16 + 2 * lane) * np.float32(mn)
+                    out[n, block_values * s + 32 * j + v] = value
     return out
 
 
-@pytest.mark.parametrize("qtype", [Q4_K, Q6_K], ids=["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", PACKED, ids=PACKED_IDS)
 def test_weight_layout(qtype: int) -> None:
     """pack_weight's layout read back value by value gives the GGUF weight (gguf's own dequantization), and the
     lanes past the last row are zero; the packed size is within 3% of the file's."""
     w = weight(qtype, 11, 512)
     packed = int8k.pack_weight(qtype, w.data)
-    group = int8k.Q4_K_GROUP if qtype == Q4_K else int8k.Q6_K_GROUP
-    assert packed.shape == (2, 2 * group) and packed.dtype == np.uint8
+    n_blocks = 16 if qtype == Q5_1 else 2
+    assert packed.shape == (2, n_blocks * int8k.GROUP[qtype]) and packed.dtype == np.uint8
     np.testing.assert_allclose(_unpacked(qtype, packed, 11), reference.dequantize(qtype, w.data), rtol=1e-6,
                                atol=1e-7)
     empty = _unpacked(qtype, packed, 16)[11:]
@@ -138,14 +144,19 @@ def test_weight_layout(qtype: int) -> None:
     assert packed.nbytes / 2 <= 1.03 * w.data.nbytes / 11 * 8
 
 
-def test_q4_0_is_packed_as_the_q4_1_weight_it_equals() -> None:
-    """Q4_0's blocks become Q4_1 ones with m = -8 d (exact), the same nibbles: the packed bytes are those of that
-    Q4_1 weight, and the kernels are Q4_1's."""
-    w = weight(Q4_0, 13, 96)
-    blocks = w.data.reshape(13, 3, 18)
+@pytest.mark.parametrize("low, high, factor", [(Q4_0, Q4_1, -8), (Q5_0, Q5_1, -16)], ids=["Q4_0", "Q5_0"])
+def test_a_type_without_m_is_packed_as_the_weight_with_m_it_equals(low: int, high: int, factor: int) -> None:
+    """Q4_0 / Q5_0 blocks become Q4_1 / Q5_1 ones with m = -8 d / -16 d (exact), the same other bytes: the packed
+    bytes are those of that weight, and the kernels are its type's."""
+    w = weight(low, 13, 96)
+    blocks = w.data.reshape(13, 3, -1)
     d = np.ascontiguousarray(blocks[:, :, :2]).view(np.float16)
-    q4_1 = np.concatenate([blocks[:, :, :2], (d * np.float16(-8)).view(np.uint8), blocks[:, :, 2:]], axis=2)
-    as_q4_1 = np.ascontiguousarray(q4_1.reshape(13, 60))
-    assert np.array_equal(int8dot.pack_weight(Q4_0, w.data), int8dot.pack_weight(Q4_1, as_q4_1))
-    np.testing.assert_array_equal(reference.dequantize(Q4_1, as_q4_1), reference.dequantize(Q4_0, w.data))
-    assert int8dot.kernel_qtype(Q4_0) == Q4_1 and int8dot.kernel_qtype(Q4_1) == Q4_1
+    with_m = np.concatenate([blocks[:, :, :2], (d * np.float16(factor)).view(np.uint8), blocks[:, :, 2:]], axis=2)
+    as_high = np.ascontiguousarray(with_m.reshape(13, -1))
+    np.testing.assert_array_equal(reference.dequantize(high, as_high), reference.dequantize(low, w.data))
+    if low == Q4_0:
+        assert np.array_equal(int8dot.pack_weight(low, w.data), int8dot.pack_weight(high, as_high))
+        assert int8dot.kernel_qtype(low) == high and int8dot.kernel_qtype(high) == high
+    else:
+        assert np.array_equal(int8k.pack_weight(low, w.data), int8k.pack_weight(high, as_high))
+        assert int8k.kernel_qtype(low) == high and int8k.kernel_qtype(high) == high

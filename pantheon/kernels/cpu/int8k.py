@@ -1,24 +1,30 @@
-"""Integer dot products of Q4_K / Q6_K weight rows with int8-quantized activations (x86 only).
+"""Integer dot products of K-quant and 5-bit weight rows (Q4_K, Q5_K, Q6_K, Q5_0, Q5_1) with int8-quantized
+activations (x86 only).
 
-The K-quant types of llama.cpp's Q4_K_M and Q6_K files (Q4_K for most matrices, Q6_K for the output matrix,
-attn_v and half of ffn_down; llama.cpp's quantizer also writes the output matrix of its Q4_0 and Q4_1 files as
-Q6_K). Same scheme as `int8dot` (read its docstring first): activations quantized once per matmul to blocks of
-32 int8 values, weight rows packed at load in groups of 8 side by side, one 32-bit lane per row, and each row's
-exact integer sum per 32-value block scaled once in float32. Only the packing and the scales differ:
+The types of llama.cpp's Q4_K_M and Q5_K_M files: Q4_K / Q5_K for most matrices, Q6_K for the output matrix,
+attn_v and half of ffn_down (llama.cpp's quantizer also writes the output matrix of its Q4_0 and Q4_1 files as
+Q6_K), and Q5_0 / Q5_1 where a matrix's rows are not a multiple of 256 values (SmolLM2's 576: most of its
+Q4_K_M file is Q5_0). Same scheme as `int8dot` (read its docstring first): activations quantized once per
+matmul to blocks of 32 int8 values, weight rows packed at load in groups of 8 side by side, one 32-bit lane
+per row, and each row's exact integer sum per 32-value block scaled once in float32. The packing and the
+scales differ:
 
     Q4_K  superblocks of 256 values: f16 d and dmin, 6-bit scale sc_j and min m_j per 32-value sub-block j,
           4-bit q. Sub-block j is a Q4_1 block with d_w = d * sc_j and m_w = -dmin * m_j (both exact in
-          float32): the Q4_1 arithmetic, with the two scales made from bytes at each block.
+          float32): Q4_1's arithmetic, the two scales made from bytes at each block.
+    Q5_K  Q4_K with a fifth bit per value (q < 32).
+    Q5_1  blocks of 32: f16 d and m, 5-bit q, value d * q + m; Q5_0 (d * (q - 16)) is packed as the Q5_1
+          weight it equals, m = -16 d (exact in f16).
     Q6_K  superblocks of 256: f16 d, a signed 8-bit scale per 16 values, 6-bit q (value d * sc * (q - 32)).
           w = q - 32 is signed (-32..31): its magnitude meets the activations with w's sign moved onto them
           (`vpsignb`), as int8dot's Q8_0 does on AVX2; the two 16-value halves of a block sum apart and are
           scaled by their own d * sc.
 
-The packed layouts (`pack_weight`) keep the types' sizes within ~3%: a Q4_K superblock of 8 rows is 1184 bytes
-(8 x 144 = 1152 in the file; its 6-bit scales become bytes), a Q6_K one 1680 (8 x 210; the 6-bit values stay
-6-bit, split into a nibble vector and 2-bit planes that the kernel joins). These kernels have their own
-compiled functions, apart from int8dot's, so that the decode step compiled for Q4_1 / Q8_0 models does not
-carry them; a model with K-quant matrices runs them matmul by matmul. 8 lanes (256-bit vectors) on every ISA.
+The packed layouts (`pack_weight`) keep the types' sizes within ~3%: 6-bit scales become bytes, and the values
+keep their bits, as a nibble vector (int8dot's Q4_1 layout) plus bit planes that the kernel joins to it. These
+kernels have their own compiled functions, apart from int8dot's, so that the decode step compiled for Q4_1 /
+Q8_0 models does not carry them; a model with these matrices runs them matmul by matmul. 8 lanes (256-bit
+vectors) on every ISA.
 """
 
 from __future__ import annotations
@@ -36,17 +42,24 @@ from pantheon.kernels.cpu import int8dot
 from pantheon.kernels.cpu.int8dot import LANES, QK
 from pantheon.kernels.cpu.llvm_ir import call, fma, splat
 
-__all__ = ["K_TYPES", "matmul", "pack_weight"]
+__all__ = ["TYPES", "matmul", "pack_weight"]
 
-Q4_K, Q6_K = 12, 14
-K_TYPES: frozenset[int] = frozenset({Q4_K, Q6_K})
+Q5_0, Q5_1, Q4_K, Q5_K, Q6_K = 6, 7, 12, 13, 14
+TYPES: frozenset[int] = frozenset({Q5_0, Q5_1, Q4_K, Q5_K, Q6_K})
 SUPER = 256  # values per superblock
-# Bytes of one packed superblock of 8 rows (see `pack_weight`), and of one row's superblock in the file.
-Q4_K_GROUP, Q6_K_GROUP = 1184, 1680
-Q4_K_BYTES, Q6_K_BYTES = 144, 210
-# Offsets inside a packed superblock.
-_Q4K_SC, _Q4K_M, _Q4K_NIBBLES = 32, 96, 160  # after 8 f16 d, 8 f16 dmin; 128 nibble bytes a sub-block
-_Q6K_SC, _Q6K_VALUES = 16, 144  # after 8 f16 d: 16 halves x 8 int8 scales; 192 value bytes a sub-block
+# Bytes of one packed block (Q5_1: of 32 values; the K types: of a 256-value superblock) of 8 rows (see
+# `pack_weight`), and of one row's block in the file.
+Q5_1_GROUP, Q4_K_GROUP, Q5_K_GROUP, Q6_K_GROUP = 192, 1184, 1440, 1680
+GROUP = {Q5_1: Q5_1_GROUP, Q4_K: Q4_K_GROUP, Q5_K: Q5_K_GROUP, Q6_K: Q6_K_GROUP}
+FILE_BYTES = {Q5_0: 22, Q5_1: 24, Q4_K: 144, Q5_K: 176, Q6_K: 210}
+# Offsets inside a packed Q4_K / Q5_K superblock (after 8 f16 d and 8 f16 dmin): 8 sub-blocks x 8 scale bytes,
+# 8 x 8 min bytes, then the sub-blocks' values (Q4_K 128 nibble bytes each, Q5_K those and a 32-byte bit plane).
+_K_SC, _K_M, _K_VALUES = 32, 96, 160
+# In a packed Q6_K superblock (after 8 f16 d): 16 halves x 8 int8 scales, then 192 value bytes a sub-block.
+_Q6K_SC, _Q6K_VALUES = 16, 144
+# Bytes of one sub-block's values (the K types) or of a block's (Q5_1: after 8 f16 d and 8 f16 m).
+_SUB_BYTES = {Q4_K: 128, Q5_K: 160, Q6_K: 192}
+_Q5_VALUES = 32
 
 _i1, _i8, _i32, _i64 = ir.IntType(1), ir.IntType(8), ir.IntType(32), ir.IntType(64)
 _f16, _f32 = ir.HalfType(), ir.FloatType()
@@ -79,11 +92,11 @@ def _lane_bytes(builder: ir.IRBuilder, wptr: ir.Value, base: ir.Value, offset: i
     return builder.uitofp(builder.zext(raw, _v8i32), _v8f32)
 
 
-def _prefetch_next_group(builder: ir.IRBuilder, wptr: ir.Value, row_bytes: ir.Value, j: ir.Value, q4: bool) -> None:
+def _prefetch_next_group(builder: ir.IRBuilder, wptr: ir.Value, row_bytes: ir.Value, j: ir.Value, qtype: int
+                         ) -> None:
     """Block j's share of the next packed group (a superblock's bytes over its 8 blocks), non-temporal, as
     int8dot's kernels do."""
-    group = Q4_K_GROUP if q4 else Q6_K_GROUP
-    share = group // 8
+    share = GROUP[qtype] if qtype == Q5_1 else GROUP[qtype] // 8
     start = builder.add(row_bytes, builder.mul(j, ir.Constant(_i64, share)))
     for line in range(0, share, 64):
         address = builder.gep(wptr, [builder.add(start, ir.Constant(_i64, line))])
@@ -98,26 +111,48 @@ def _pieces(builder: ir.IRBuilder, xptr: ir.Value) -> list[ir.Value]:
             for u in range(8)]
 
 
-def _q4_k_weights(builder: ir.IRBuilder, wptr: ir.Value, j: ir.Value) -> tuple[list[ir.Value], ir.Value]:
-    """Block j of a packed Q4_K group: the 8 nibble vectors (values 4u..4u+3 of each row in vector u) and d * sc_j
-    per lane."""
-    base, sub = _superblock(builder, j, Q4_K_GROUP)
+def _joined_bits(builder: ir.IRBuilder, low: list[ir.Value], plane: ir.Value) -> list[ir.Value]:
+    """The 8 value vectors of a 5-bit block: low[u] | (bit u of the plane's bytes) << 4."""
+    return [builder.or_(v, builder.shl(builder.and_(builder.lshr(plane, _bytes(u)), _bytes(1)), _bytes(4)))
+            for u, v in enumerate(low)]
+
+
+def _nibble_values(builder: ir.IRBuilder, wptr: ir.Value, base: ir.Value, at: ir.Value, five: bool
+                   ) -> list[ir.Value]:
+    """The 8 value vectors (values 4u..4u+3 of each row in vector u) of a block whose 4 nibble vectors start at
+    base + at, followed by its bit plane when five."""
+    packed = [_at(builder, wptr, base, builder.add(at, ir.Constant(_i64, 32 * t)), _v32i8) for t in range(4)]
+    values = [builder.and_(v, _bytes(15)) for v in packed] + [builder.lshr(v, _bytes(4)) for v in packed]
+    if five:
+        values = _joined_bits(builder, values, _at(builder, wptr, base, builder.add(at, ir.Constant(_i64, 128)),
+                                                   _v32i8))
+    return values
+
+
+def _nibble_weights(builder: ir.IRBuilder, wptr: ir.Value, j: ir.Value, qtype: int
+                    ) -> tuple[list[ir.Value], ir.Value]:
+    """Block j of a packed Q4_K, Q5_K or Q5_1 group: its 8 value vectors and d_w per lane (d * sc_j; Q5_1: d)."""
+    if qtype == Q5_1:
+        base = builder.mul(j, ir.Constant(_i64, GROUP[Q5_1]))
+        d_w = builder.fpext(_at(builder, wptr, base, 0, _v8f16), _v8f32)
+        return _nibble_values(builder, wptr, base, ir.Constant(_i64, _Q5_VALUES), True), d_w
+    base, sub = _superblock(builder, j, GROUP[qtype])
     d = builder.fpext(_at(builder, wptr, base, 0, _v8f16), _v8f32)
     sc = _lane_bytes(builder, wptr, base, builder.add(builder.mul(sub, ir.Constant(_i64, 8)),
-                                                      ir.Constant(_i64, _Q4K_SC)), signed=False)
-    nibbles = builder.add(builder.mul(sub, ir.Constant(_i64, 128)), ir.Constant(_i64, _Q4K_NIBBLES))
-    packed = [_at(builder, wptr, base, builder.add(nibbles, ir.Constant(_i64, 32 * t)), _v32i8) for t in range(4)]
-    low = [builder.and_(v, _bytes(15)) for v in packed]
-    high = [builder.lshr(v, _bytes(4)) for v in packed]
-    return low + high, builder.fmul(d, sc)
+                                                      ir.Constant(_i64, _K_SC)), signed=False)
+    at = builder.add(builder.mul(sub, ir.Constant(_i64, _SUB_BYTES[qtype])), ir.Constant(_i64, _K_VALUES))
+    return _nibble_values(builder, wptr, base, at, qtype == Q5_K), builder.fmul(d, sc)
 
 
-def _q4_k_m_scales(builder: ir.IRBuilder, wptr: ir.Value, j: ir.Value) -> ir.Value:
-    """-dmin * m_j per lane for block j of a packed Q4_K group."""
-    base, sub = _superblock(builder, j, Q4_K_GROUP)
+def _m_scales(builder: ir.IRBuilder, wptr: ir.Value, j: ir.Value, qtype: int) -> ir.Value:
+    """m_w per lane for block j of a packed Q4_K / Q5_K group (-dmin * m_j) or Q5_1 one (m)."""
+    if qtype == Q5_1:
+        base = builder.mul(j, ir.Constant(_i64, GROUP[Q5_1]))
+        return builder.fpext(_at(builder, wptr, base, 16, _v8f16), _v8f32)
+    base, sub = _superblock(builder, j, GROUP[qtype])
     dmin = builder.fpext(_at(builder, wptr, base, 16, _v8f16), _v8f32)
     mins = _lane_bytes(builder, wptr, base, builder.add(builder.mul(sub, ir.Constant(_i64, 8)),
-                                                        ir.Constant(_i64, _Q4K_M)), signed=False)
+                                                        ir.Constant(_i64, _K_M)), signed=False)
     return builder.fneg(builder.fmul(dmin, mins))
 
 
@@ -125,7 +160,7 @@ def _q6_k_weights(builder: ir.IRBuilder, wptr: ir.Value, j: ir.Value
                   ) -> tuple[list[ir.Value], list[ir.Value], ir.Value, ir.Value]:
     """Block j of a packed Q6_K group: the 8 vectors of w = q - 32 (values 4u..4u+3 of each row in vector u), their
     magnitudes, and d * sc of the block's two halves (values 0..15, 16..31) per lane."""
-    base, sub = _superblock(builder, j, Q6_K_GROUP)
+    base, sub = _superblock(builder, j, GROUP[Q6_K])
     d = builder.fpext(_at(builder, wptr, base, 0, _v8f16), _v8f32)
     scales = builder.add(builder.mul(sub, ir.Constant(_i64, 16)), ir.Constant(_i64, _Q6K_SC))
     sc_a = _lane_bytes(builder, wptr, base, scales, signed=True)
@@ -145,9 +180,9 @@ def _q6_k_weights(builder: ir.IRBuilder, wptr: ir.Value, j: ir.Value
 
 
 def _half_sum(builder: ir.IRBuilder, isa: str, pairs: list[tuple[ir.Value, ir.Value]]) -> ir.Value:
-    """<8 x i32>: four (magnitudes, signed activations) pairs summed per lane. On AVX2 the four `vpmaddubsw`
-    results add in 16 bits first: |w| <= 32 and |x| <= 127, so each is at most 2 * 32 * 127 = 8128 and four
-    at most 32512."""
+    """<8 x i32>: four (unsigned weights, signed activations) pairs summed per lane. On AVX2 the four
+    `vpmaddubsw` results add in 16 bits first: with weights <= 32 (Q6_K's magnitudes; 5-bit values are < 32) and
+    |x| <= 127, each is at most 2 * 32 * 127 = 8128 and four at most 32512."""
     if isa == "vnni":
         total = None
         for u, s in pairs:
@@ -160,25 +195,46 @@ def _half_sum(builder: ir.IRBuilder, isa: str, pairs: list[tuple[ir.Value, ir.Va
     return call(builder, "llvm.x86.avx2.pmadd.wd", _v8i32, [chain, ir.Constant(_v16i16, [1] * 16)])
 
 
+def _block_sums(builder: ir.IRBuilder, isa: str, qtype: int, pairs: list[tuple[ir.Value, ir.Value]]) -> ir.Value:
+    """<8 x i32>: a block's eight (unsigned values, activations) pairs summed per lane. 4-bit values on AVX2 all
+    add in 16 bits (int8dot's Q4_1 sums); 5-bit ones in two halves of four (`_half_sum`)."""
+    if isa == "avx2" and qtype == Q4_K:
+        return int8dot._q4_block_sums_avx2(builder, pairs)
+    if isa == "avx2":
+        return builder.add(_half_sum(builder, isa, pairs[:4]), _half_sum(builder, isa, pairs[4:]))
+    return _half_sum(builder, isa, pairs)
+
+
+# The types a kernel's arms are compiled for, tested in this order (the last one is the fall-through).
+_KERNEL_TYPES = (Q4_K, Q5_K, Q5_1, Q6_K)
+
+
 def _make_rows_dot(n_x: int, isa: str) -> Any:
     """An intrinsic (qtype, packed, g, xq, xd, xs, b, out, n0), as int8dot's `_make_rows_dot` (8 lanes) but for
-    Q4_K or Q6_K packed groups (`pack_weight`): out[b + r, n0 : n0 + 8] for r < n_x. Float operations per output
-    in the same order for every n_x (batch invariance): blocks in order into one accumulator (Q6_K: half a,
-    then half b), Q4_K's m terms into a second, added at the end."""
+    the packed groups of `pack_weight` (qtype: Q4_K, Q5_K, Q5_1 for Q5_0 too, or Q6_K): out[b + r, n0 : n0 + 8]
+    for r < n_x. Float operations per output in the same order for every n_x (batch invariance): blocks in order
+    into one accumulator (Q6_K: half a, then half b), the m terms (all but Q6_K) into a second, added at the
+    end."""
 
     def rows_dot(typingctx, qtype, packed, g, xq, xd, xs, b, out, n0):
         return types.void(qtype, packed, g, xq, xd, xs, b, out, n0), codegen
 
     def codegen(context, builder, signature, args):
-        is_q4 = builder.icmp_signed("==", args[0], ir.Constant(args[0].type, Q4_K))
-        with builder.if_else(is_q4) as (q4_arm, q6_arm):
-            with q4_arm:
-                emit(context, builder, signature.args[1:], args[1:], True)
-            with q6_arm:
-                emit(context, builder, signature.args[1:], args[1:], False)
+        def arms(kinds: tuple[int, ...]) -> None:
+            if len(kinds) == 1:
+                emit(context, builder, signature.args[1:], args[1:], kinds[0])
+                return
+            this = builder.icmp_signed("==", args[0], ir.Constant(args[0].type, kinds[0]))
+            with builder.if_else(this) as (this_arm, other_arms):
+                with this_arm:
+                    emit(context, builder, signature.args[1:], args[1:], kinds[0])
+                with other_arms:
+                    arms(kinds[1:])
+
+        arms(_KERNEL_TYPES)
         return context.get_dummy_value()
 
-    def emit(context, builder, arg_types, args, q4):  # type: ignore[no-untyped-def]
+    def emit(context, builder, arg_types, args, qtype):  # type: ignore[no-untyped-def]
         packed_t, _, xq_t, xd_t, xs_t, _, out_t, _ = arg_types
         w = context.make_array(packed_t)(context, builder, args[0])
         x = context.make_array(xq_t)(context, builder, args[2])
@@ -199,23 +255,17 @@ def _make_rows_dot(n_x: int, isa: str) -> Any:
             return splat(builder, builder.load(builder.gep(scales.data, [builder.add(firsts[r], j)])), LANES)
 
         def dots(j: ir.Value, accs: list[ir.Value]) -> list[ir.Value]:
-            _prefetch_next_group(builder, wptr, row_bytes, j, q4)
+            _prefetch_next_group(builder, wptr, row_bytes, j, qtype)
             new = []
-            if q4:
-                weights, d_w = _q4_k_weights(builder, wptr, j)
-            else:
+            if qtype == Q6_K:
                 signed, magnitudes, d_a, d_b = _q6_k_weights(builder, wptr, j)
+            else:
+                values, d_w = _nibble_weights(builder, wptr, j, qtype)
             for r in range(n_x):
                 pieces = _pieces(builder, builder.gep(xrows[r], [builder.mul(j, ir.Constant(_i64, QK))]))
                 d_x = x_scale(r, j, d)
-                if q4:
-                    pairs = list(zip(weights, pieces))
-                    if isa == "avx2":
-                        sums = int8dot._q4_block_sums_avx2(builder, pairs)
-                    else:
-                        sums = None
-                        for u, p in pairs:
-                            sums = int8dot._unsigned_signed_dot(builder, isa, u, p, sums)
+                if qtype != Q6_K:
+                    sums = _block_sums(builder, isa, qtype, list(zip(values, pieces)))
                     new.append(fma(builder, builder.sitofp(sums, _v8f32), builder.fmul(d_w, d_x), accs[r]))
                     continue
                 pairs = [(magnitudes[u], call(builder, "llvm.x86.avx2.psign.b", _v32i8, [pieces[u], signed[u]]))
@@ -227,11 +277,11 @@ def _make_rows_dot(n_x: int, isa: str) -> Any:
             return new
 
         def m_terms(j: ir.Value, accs: list[ir.Value]) -> list[ir.Value]:
-            m_w = _q4_k_m_scales(builder, wptr, j)
+            m_w = _m_scales(builder, wptr, j, qtype)
             return [fma(builder, m_w, x_scale(r, j, s), accs[r]) for r in range(n_x)]
 
         totals = int8dot._block_loop(builder, "k_dots", n_blocks, n_x, LANES, dots)
-        if q4:
+        if qtype != Q6_K:
             totals = [builder.fadd(t, m)
                       for t, m in zip(totals, int8dot._block_loop(builder, "k_m", n_blocks, n_x, LANES, m_terms))]
         int8dot._store_lanes(builder, o, rows, n0, n_out, totals, LANES)
@@ -250,44 +300,91 @@ _KERNEL = dict(cache=True, nogil=True, error_model="numpy")
 
 @numba.njit(inline="always")
 def _scale_min(src, p, j):
-    """Q4_K's 6-bit (scale, min) of sub-block j from the 12 bytes at src[p:p+12]."""
+    """Q4_K / Q5_K's 6-bit (scale, min) of sub-block j from the 12 bytes at src[p:p+12]."""
     if j < 4:
         return src[p + j] & 63, src[p + 4 + j] & 63
     lo = src[p + 4 + j]
     return (lo & 15) | ((src[p + j - 4] >> 6) << 4), (lo >> 4) | ((src[p + j] >> 6) << 4)
 
 
+@numba.njit(inline="always")
+def _put_nibbles(values, dst, at, lane):
+    """32 values' low 4 bits as int8dot's Q4_1 nibble vectors: vector t, lane, byte p holds values 4t + p (low
+    nibble) and 4t + p + 16 (high)."""
+    for k in range(16):
+        dst[at + 32 * (k // 4) + 4 * lane + k % 4] = (values[k] & 15) | ((values[k + 16] & 15) << 4)
+
+
+@numba.njit(inline="always")
+def _put_plane(values, dst, at, lane, bit, width):
+    """Bits bit .. bit + width - 1 of 32 values as a plane of 4 bytes a lane: byte p holds those of values 4u + p
+    for u = 0..7 / width in bits width * u .. (of the plane's first 32 values per byte; width 2 takes two planes,
+    values 4u + p for u = 4h + r in plane h)."""
+    per_byte = 8 // width
+    for h in range(8 // per_byte):
+        for p in range(4):
+            byte = 0
+            for r in range(per_byte):
+                byte |= ((values[4 * (per_byte * h + r) + p] >> bit) & ((1 << width) - 1)) << (width * r)
+            dst[at + 32 * h + 4 * lane + p] = byte
+
+
 @numba.njit(parallel=True, **_KERNEL)
-def _pack_q4_k(data, packed, n_super):
-    """GGUF Q4_K rows -> `pack_weight`'s layout. Row superblock: d, dmin (f16), scales[12], qs[128], where value
-    64c + l (l < 32) is the low nibble of qs[32c + l] and value 64c + 32 + l its high nibble."""
+def _pack_k(qtype, data, packed, n_super):
+    """GGUF Q4_K / Q5_K rows -> `pack_weight`'s layout. Row superblock: d, dmin (f16), scales[12], (Q5_K: qh[32],)
+    qs[128], where value 64c + l (l < 32) is the low nibble of qs[32c + l] and value 64c + 32 + l its high
+    nibble; Q5_K's fifth bit of value l of sub-block j is bit j of qh[l]."""
+    five = qtype == Q5_K
+    file_bytes, group, sub_bytes = (176, Q5_K_GROUP, 160) if five else (144, Q4_K_GROUP, 128)
+    qs = 48 if five else 16
     for n in numba.prange(data.shape[0]):
         src = data[n]
         dst = packed[n // LANES]
         lane = n % LANES
         values = np.empty(32, np.uint8)
         for s in range(n_super):
-            o, base = s * Q4_K_BYTES, s * Q4_K_GROUP
+            o, base = s * file_bytes, s * group
             for k in range(2):
                 dst[base + 2 * lane + k] = src[o + k]  # d
                 dst[base + 16 + 2 * lane + k] = src[o + 2 + k]  # dmin
             for j in range(8):
                 sc, mn = _scale_min(src, o + 4, j)
-                dst[base + _Q4K_SC + 8 * j + lane] = sc
-                dst[base + _Q4K_M + 8 * j + lane] = mn
-                first = o + 16 + 32 * (j // 2)
+                dst[base + _K_SC + 8 * j + lane] = sc
+                dst[base + _K_M + 8 * j + lane] = mn
+                first = o + qs + 32 * (j // 2)
                 for v in range(32):
                     byte = src[first + v]
                     values[v] = byte >> 4 if j % 2 else byte & 15
-                _put_nibbles(values, dst, base + _Q4K_NIBBLES + 128 * j, lane)
+                    if five:
+                        values[v] |= ((src[o + 16 + v] >> j) & 1) << 4
+                at = base + _K_VALUES + sub_bytes * j
+                _put_nibbles(values, dst, at, lane)
+                if five:
+                    _put_plane(values, dst, at + 128, lane, 4, 1)
 
 
-@numba.njit(inline="always")
-def _put_nibbles(values, dst, at, lane):
-    """32 values < 16 as int8dot's Q4_1 nibble vectors: vector t, lane, byte p holds values 4t + p (low nibble)
-    and 4t + p + 16 (high)."""
-    for k in range(16):
-        dst[at + 32 * (k // 4) + 4 * lane + k % 4] = (values[k] & 15) | ((values[k + 16] & 15) << 4)
+@numba.njit(parallel=True, **_KERNEL)
+def _pack_q5_1(data, packed, n_blocks):
+    """GGUF Q5_1 rows (blocks of d, m (f16), qh (uint32: bit k is value k's fifth), qs[16] (value k the low nibble
+    of qs[k], value k + 16 its high nibble)) -> `pack_weight`'s layout."""
+    for n in numba.prange(data.shape[0]):
+        src = data[n]
+        dst = packed[n // LANES]
+        lane = n % LANES
+        values = np.empty(32, np.uint8)
+        for blk in range(n_blocks):
+            o, base = blk * 24, blk * Q5_1_GROUP
+            for k in range(2):
+                dst[base + 2 * lane + k] = src[o + k]  # d
+                dst[base + 16 + 2 * lane + k] = src[o + 2 + k]  # m
+            high = (np.uint32(src[o + 4]) | (np.uint32(src[o + 5]) << 8) | (np.uint32(src[o + 6]) << 16)
+                    | (np.uint32(src[o + 7]) << 24))
+            for k in range(16):
+                byte = src[o + 8 + k]
+                values[k] = (byte & 15) | (((high >> k) & 1) << 4)
+                values[k + 16] = (byte >> 4) | (((high >> (k + 16)) & 1) << 4)
+            _put_nibbles(values, dst, base + _Q5_VALUES, lane)
+            _put_plane(values, dst, base + _Q5_VALUES + 128, lane, 4, 1)
 
 
 @numba.njit(parallel=True, **_KERNEL)
@@ -302,7 +399,7 @@ def _pack_q6_k(data, packed, n_super):
         lane = n % LANES
         q = np.empty(SUPER, np.uint8)
         for s in range(n_super):
-            o, base = s * Q6_K_BYTES, s * Q6_K_GROUP
+            o, base = s * 210, s * Q6_K_GROUP
             for half in range(2):
                 ql, qh, first = o + 64 * half, o + 128 + 32 * half, 128 * half
                 for v in range(32):
@@ -320,28 +417,49 @@ def _pack_q6_k(data, packed, n_super):
                 at = base + _Q6K_VALUES + 192 * j
                 values = q[32 * j: 32 * j + 32]
                 _put_nibbles(values, dst, at, lane)
-                # 2-bit planes: plane h, lane, byte p holds the high bits of values 4u + p for u = 4h + r (r < 4)
-                # in bits 2r, 2r + 1.
-                for h in range(2):
-                    for p in range(4):
-                        byte = 0
-                        for r in range(4):
-                            byte |= ((values[4 * (4 * h + r) + p] >> 4) & 3) << (2 * r)
-                        dst[at + 128 + 32 * h + 4 * lane + p] = byte
+                _put_plane(values, dst, at + 128, lane, 4, 2)
+
+
+def _q5_0_as_q5_1(data: np.ndarray) -> np.ndarray:
+    """Q5_0 rows (blocks of f16 d, qh, qs; value d * (q - 16)) as Q5_1 rows (d, m, the same qh and qs; value
+    d * q + m) with m = -16 d: exact in f16 (a power of two times d; |d| < 4094, far past any real scale)."""
+    blocks = data.reshape(data.shape[0], -1, 22)
+    d = np.ascontiguousarray(blocks[:, :, :2]).view(np.float16)
+    out = np.empty((blocks.shape[0], blocks.shape[1], 24), np.uint8)
+    out[:, :, :2] = blocks[:, :, :2]
+    out[:, :, 2:4] = (d.astype(np.float32) * np.float32(-16.0)).astype(np.float16).view(np.uint8)
+    out[:, :, 4:] = blocks[:, :, 2:]
+    return out.reshape(data.shape[0], -1)
+
+
+def kernel_qtype(qtype: int) -> int:
+    """The type whose kernels run a `qtype` weight packed by `pack_weight`: Q5_1 for Q5_0, else itself."""
+    return Q5_1 if qtype == Q5_0 else qtype
 
 
 def pack_weight(qtype: int, data: np.ndarray) -> np.ndarray:
-    """A Q4_K or Q6_K weight's rows (raw GGUF bytes, (N, row_bytes) uint8) rearranged for the row dots, once at
-    load: (ceil(N / 8), superblocks * group bytes), row g holding weight rows 8g..8g+7 superblock by superblock.
-    A Q4_K superblock of 8 rows: [8 f16 d][8 f16 dmin][8 sub-blocks x 8 scale bytes (one a lane)][8 x 8 min
-    bytes][8 x 128 bytes: sub-block j's nibbles as int8dot packs a Q4_1 block's]. A Q6_K one: [8 f16 d][16
-    halves x 8 int8 scales][8 x 192 bytes: sub-block j's low nibbles as a Q4_1 block's, then two 32-byte planes
-    of its 2-bit highs]. Lanes past the last row are zero."""
-    q4 = qtype == Q4_K
-    n_super = data.shape[1] // (Q4_K_BYTES if q4 else Q6_K_BYTES)
+    """A weight's rows (raw GGUF bytes, (N, row_bytes) uint8, a type of `TYPES`) rearranged for the row dots,
+    once at load: (ceil(N / 8), blocks * group bytes), row g holding weight rows 8g..8g+7 block by block (the K
+    types: superblock by superblock), the lanes past the last row zero. A value vector u holds values 4u..4u+3 of
+    the 32-value block in each lane; the nibble vectors are int8dot's Q4_1 layout, and a bit plane holds the
+    higher bits of values 4u + p (lane, byte p) in bit u (Q5_1, Q5_K) or, two planes of 2 bits, bits 2r of
+    plane h for u = 4h + r (Q6_K).
+
+    Q4_K / Q5_K superblock of 8 rows: [8 f16 d][8 f16 dmin][8 sub-blocks x 8 scale bytes (one a lane)][8 x 8 min
+    bytes][8 x: sub-block j's 4 nibble vectors (Q5_K: then its bit plane)]. Q5_1 block: [8 f16 d][8 f16 m][4
+    nibble vectors][bit plane]; Q5_0 is packed as the Q5_1 weight it equals (`kernel_qtype`). Q6_K superblock:
+    [8 f16 d][16 halves x 8 int8 scales][8 x: sub-block j's 4 nibble vectors, its two 2-bit planes]."""
+    if qtype == Q5_0:
+        qtype, data = Q5_1, _q5_0_as_q5_1(data)
+    n_blocks = data.shape[1] // FILE_BYTES[qtype]
     n_groups = -(-data.shape[0] // LANES)
-    packed = np.zeros((n_groups, n_super * (Q4_K_GROUP if q4 else Q6_K_GROUP)), np.uint8)
-    (_pack_q4_k if q4 else _pack_q6_k)(data, packed, n_super)
+    packed = np.zeros((n_groups, n_blocks * GROUP[qtype]), np.uint8)
+    if qtype == Q5_1:
+        _pack_q5_1(data, packed, n_blocks)
+    elif qtype == Q6_K:
+        _pack_q6_k(data, packed, n_blocks)
+    else:
+        _pack_k(qtype, data, packed, n_blocks)
     packed.flags.writeable = False
     return packed
 
@@ -382,9 +500,9 @@ def _matmul(qtype, packed, x, out, n_chunks):
 
 
 def matmul(qtype: int, packed: np.ndarray, x: np.ndarray, out: np.ndarray, threads: int | None = None) -> None:
-    """out = x @ W.T with x quantized to int8 blocks first; W Q4_K or Q6_K, its rows as `pack_weight` left them
-    (K a multiple of 256)."""
-    _matmul(qtype, packed, x, out, 4 * (threads or numba.get_num_threads()))
+    """out = x @ W.T with x quantized to int8 blocks first; W of a type of `TYPES`, its rows as `pack_weight` left
+    them."""
+    _matmul(kernel_qtype(qtype), packed, x, out, 4 * (threads or numba.get_num_threads()))
 
 
 @functools.cache
@@ -403,4 +521,4 @@ def _serial_gemm(isa: str) -> Any:
 
 def matmul_with_isa(isa: str, qtype: int, packed: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
     """`matmul` on the kernels of `isa` ("vnni" or "avx2"; the CPU must have it), serially; for tests."""
-    _serial_gemm(isa)(qtype, packed, *int8dot._quantize(x, np.int32(0)), out)
+    _serial_gemm(isa)(kernel_qtype(qtype), packed, *int8dot._quantize(x, np.int32(0)), out)

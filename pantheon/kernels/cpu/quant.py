@@ -65,8 +65,8 @@ _FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
 _KERNEL = dict(cache=True, nogil=True, fastmath=_FASTMATH)
 
 
-# Types with integer kernels (int8 activations): int8dot's, and int8k's K-quants.
-INT8_KERNEL_TYPES: frozenset[int] = int8dot.INT8_TYPES | int8k.K_TYPES
+# Types with integer kernels (int8 activations): int8dot's, and int8k's (K-quants, 5-bit).
+INT8_KERNEL_TYPES: frozenset[int] = int8dot.INT8_TYPES | int8k.TYPES
 
 
 class UnsupportedTensorType(ValueError):
@@ -103,10 +103,10 @@ class QWeight:
 
     @functools.cached_property
     def int8_packed(self) -> np.ndarray:
-        """The rows rearranged for the int8 kernels (`int8dot.pack_weight`, `int8k.pack_weight` for Q4_K and
-        Q6_K), built on first use (the load's warm-up forward) and kept; the types of `INT8_KERNEL_TYPES` only.
-        Two threads racing here build the same array twice."""
-        if self.qtype in int8k.K_TYPES:
+        """The rows rearranged for the int8 kernels (`int8dot.pack_weight`, `int8k.pack_weight` for the K and
+        5-bit types), built on first use (the load's warm-up forward) and kept; the types of `INT8_KERNEL_TYPES`
+        only. Two threads racing here build the same array twice."""
+        if self.qtype in int8k.TYPES:
             return int8k.pack_weight(self.qtype, self.data)
         return int8dot.pack_weight(self.qtype, self.data)
 
@@ -171,7 +171,7 @@ def matmul(w: QWeight, x: np.ndarray, out: np.ndarray | None = None, *, int8: bo
         return out
     if int8 and int8dot.INT8_ISA is not None and w.qtype in int8dot.INT8_TYPES:
         int8dot.matmul(w.qtype, w.int8_packed, x, out, threads)
-    elif int8 and int8dot.INT8_ISA is not None and w.qtype in int8k.K_TYPES:
+    elif int8 and int8dot.INT8_ISA is not None and w.qtype in int8k.TYPES:
         int8k.matmul(w.qtype, w.int8_packed, x, out, threads)
     else:
         _gemm_rows(w.qtype, w.data, x, out, _N16, 4 * (threads or numba.get_num_threads()))
