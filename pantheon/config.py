@@ -66,10 +66,10 @@ class EnvKnobs:
     meminfo_path: Path = Path("/proc/meminfo")
     # Host memory that model admission may plan against; 0 = the MemAvailable reading at load time.
     host_budget_bytes: int = 0
-    # PANTHEON_CPU_INT8 unset or 1 (the default): the cpu backend multiplies Q4_1 / Q8_0 weights of
-    # llama-family models with int8-quantized activations and a float16 KV cache (llama.cpp's arithmetic,
-    # ~1.7x faster decode) where the CPU has the instructions; 0: float32 activations and KV cache (exact
-    # arithmetic on the stored weights).
+    # PANTHEON_CPU_INT8 unset or 1 (the default): the cpu backend multiplies the quantized weights of llama-family
+    # models (the types of kernels.cpu.quant.INT8_KERNEL_TYPES) with int8-quantized activations and a float16 KV
+    # cache (llama.cpp's arithmetic, ~1.7x faster decode) where the CPU has the instructions; 0: float32
+    # activations and KV cache (exact arithmetic on the stored weights).
     cpu_int8: bool = True
     # PANTHEON_STREAM_INTERVAL_MS: a decode run hands its tokens to the event loop (and each stream's socket)
     # at most this often, several steps at a time; 0 = after every step. The first token is never held.

@@ -1,6 +1,7 @@
 """The cpu backend: numba kernels over GGUF blocks kept in their on-disk format (mmapped, never copied), except
-that with int8 activations each Q4_1 / Q8_0 matrix is rearranged once into the int8 kernels' layout (a copy of
-the same size, `QWeight.int8_packed`, made by the load's warm-up; the mmapped original then goes cold)."""
+that with int8 activations each matrix of a type with int8 kernels (`quant.INT8_KERNEL_TYPES`) is rearranged
+once into their layout (a copy of about the same size, `QWeight.int8_packed`, made by the load's warm-up; the
+mmapped original then goes cold)."""
 
 from __future__ import annotations
 
