@@ -33,7 +33,7 @@ def tiny(tmp_path: Path, qtype: Q, d: int = 64, heads: int = 4, kv_heads: int = 
     return load_model(open_gguf(_WRITTEN[key], None), CpuBackend(2, int8=int8))
 
 
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_1])
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_1, Q.Q4_0])  # Q4_0: packed as Q4_1 (int8dot.kernel_qtype)
 # Head dims 16 and 32, both with 2 kv heads: with one, the head-major cache pools are C-contiguous rather than
 # strided, and every kernel of the step compiles again for that layout (~75 s of a cold test run).
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 2), (2, 2)])

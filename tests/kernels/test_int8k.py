@@ -11,9 +11,9 @@ from pantheon.kernels.reference import quant as reference
 
 pytestmark = pytest.mark.skipif(int8dot.INT8_ISA is None, reason="no VNNI or AVX2 on this CPU: no int8 path")
 
-Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 12, 13, 14
-TYPES = [Q4_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K]
-IDS = ["Q4_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]
+Q4_0, Q4_1, Q5_0, Q5_1, Q3_K, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 11, 12, 13, 14
+TYPES = [Q4_0, Q5_0, Q5_1, Q3_K, Q4_K, Q5_K, Q6_K]
+IDS = ["Q4_0", "Q5_0", "Q5_1", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
 PACKED = [Q5_1, Q4_K, Q5_K, Q6_K]  # int8k's own layouts
 PACKED_IDS = ["Q5_1", "Q4_K", "Q5_K", "Q6_K"]
 
@@ -77,7 +77,7 @@ def test_rows_not_a_multiple_of_8_write_only_their_outputs(qtype: int) -> None:
     assert np.linalg.norm(out - expected) / np.linalg.norm(expected) < 2e-6
 
 
-@pytest.mark.parametrize("qtype", [Q5_0, *PACKED], ids=["Q5_0", *PACKED_IDS])
+@pytest.mark.parametrize("qtype", [Q5_0, Q3_K, *PACKED], ids=["Q5_0", "Q3_K", *PACKED_IDS])
 @pytest.mark.parametrize("isa", ["avx2", "vnni"])
 def test_the_other_kernels_give_the_same_bits(isa: str, qtype: int) -> None:
     """The AVX2 variant runs on a VNNI machine too, serially; the integer sums are exact on both, so every output
@@ -129,19 +129,21 @@ def _unpacked(qtype: int, packed: np.ndarray, rows: int) -> np.ndarray:
     return out
 
 
-@pytest.mark.parametrize("qtype", PACKED, ids=PACKED_IDS)
+@pytest.mark.parametrize("qtype", [*PACKED, Q3_K], ids=[*PACKED_IDS, "Q3_K"])
 def test_weight_layout(qtype: int) -> None:
     """pack_weight's layout read back value by value gives the GGUF weight (gguf's own dequantization), and the
-    lanes past the last row are zero; the packed size is within 3% of the file's."""
+    lanes past the last row are zero; the packed size is within 3% of the file's (Q3_K: packed as Q6_K)."""
     w = weight(qtype, 11, 512)
     packed = int8k.pack_weight(qtype, w.data)
+    layout = int8k.kernel_qtype(qtype)
     n_blocks = 16 if qtype == Q5_1 else 2
-    assert packed.shape == (2, n_blocks * int8k.GROUP[qtype]) and packed.dtype == np.uint8
-    np.testing.assert_allclose(_unpacked(qtype, packed, 11), reference.dequantize(qtype, w.data), rtol=1e-6,
+    assert packed.shape == (2, n_blocks * int8k.GROUP[layout]) and packed.dtype == np.uint8
+    np.testing.assert_allclose(_unpacked(layout, packed, 11), reference.dequantize(qtype, w.data), rtol=1e-6,
                                atol=1e-7)
-    empty = _unpacked(qtype, packed, 16)[11:]
+    empty = _unpacked(layout, packed, 16)[11:]
     assert not empty.any()
-    assert packed.nbytes / 2 <= 1.03 * w.data.nbytes / 11 * 8
+    if qtype != Q3_K:
+        assert packed.nbytes / 2 <= 1.03 * w.data.nbytes / 11 * 8
 
 
 @pytest.mark.parametrize("low, high, factor", [(Q4_0, Q4_1, -8), (Q5_0, Q5_1, -16)], ids=["Q4_0", "Q5_0"])

@@ -1,4 +1,4 @@
-"""Integer dot products of K-quant and 5-bit weight rows (Q4_K, Q5_K, Q6_K, Q5_0, Q5_1) with int8-quantized
+"""Integer dot products of K-quant and 5-bit weight rows (Q3_K, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1) with int8-quantized
 activations (x86 only).
 
 The types of llama.cpp's Q4_K_M and Q5_K_M files: Q4_K / Q5_K for most matrices, Q6_K for the output matrix,
@@ -19,11 +19,13 @@ scales differ:
           w = q - 32 is signed (-32..31): its magnitude meets the activations with w's sign moved onto them
           (`vpsignb`), as int8dot's Q8_0 does on AVX2; the two 16-value halves of a block sum apart and are
           scaled by their own d * sc.
+    Q3_K  superblocks of 256: f16 d, a 6-bit scale per 16 values (less 32), values -4..3: packed as the Q6_K
+          weight it equals.
 
 The packed layouts (`pack_weight`) keep the types' sizes within ~3%: 6-bit scales become bytes, and the values
 keep their bits, as a nibble vector (int8dot's Q4_1 layout) plus bit planes that the kernel joins to it. These
-kernels have their own compiled functions, apart from int8dot's, so that the decode step compiled for Q4_1 /
-Q8_0 models does not carry them; a model with these matrices runs them matmul by matmul. 8 lanes (256-bit
+kernels have their own compiled functions, apart from int8dot's, so that the decode step compiled for Q4_0 /
+Q4_1 / Q8_0 models does not carry them; a model with these matrices runs them matmul by matmul. 8 lanes (256-bit
 vectors) on every ISA.
 """
 
@@ -44,14 +46,14 @@ from pantheon.kernels.cpu.llvm_ir import call, fma, splat
 
 __all__ = ["TYPES", "matmul", "pack_weight"]
 
-Q5_0, Q5_1, Q4_K, Q5_K, Q6_K = 6, 7, 12, 13, 14
-TYPES: frozenset[int] = frozenset({Q5_0, Q5_1, Q4_K, Q5_K, Q6_K})
+Q5_0, Q5_1, Q3_K, Q4_K, Q5_K, Q6_K = 6, 7, 11, 12, 13, 14
+TYPES: frozenset[int] = frozenset({Q5_0, Q5_1, Q3_K, Q4_K, Q5_K, Q6_K})
 SUPER = 256  # values per superblock
 # Bytes of one packed block (Q5_1: of 32 values; the K types: of a 256-value superblock) of 8 rows (see
 # `pack_weight`), and of one row's block in the file.
 Q5_1_GROUP, Q4_K_GROUP, Q5_K_GROUP, Q6_K_GROUP = 192, 1184, 1440, 1680
 GROUP = {Q5_1: Q5_1_GROUP, Q4_K: Q4_K_GROUP, Q5_K: Q5_K_GROUP, Q6_K: Q6_K_GROUP}
-FILE_BYTES = {Q5_0: 22, Q5_1: 24, Q4_K: 144, Q5_K: 176, Q6_K: 210}
+FILE_BYTES = {Q5_0: 22, Q5_1: 24, Q3_K: 110, Q4_K: 144, Q5_K: 176, Q6_K: 210}
 # Offsets inside a packed Q4_K / Q5_K superblock (after 8 f16 d and 8 f16 dmin): 8 sub-blocks x 8 scale bytes,
 # 8 x 8 min bytes, then the sub-blocks' values (Q4_K 128 nibble bytes each, Q5_K those and a 32-byte bit plane).
 _K_SC, _K_M, _K_VALUES = 32, 96, 160
@@ -387,6 +389,21 @@ def _pack_q5_1(data, packed, n_blocks):
             _put_plane(values, dst, base + _Q5_VALUES + 128, lane, 4, 1)
 
 
+@numba.njit(inline="always")
+def _put_q6_k(q, scales, src_d, dst, base, lane):
+    """One row's superblock into lane `lane` of a packed Q6_K superblock at dst[base]: q its 256 values (0..63),
+    scales its 16 int8 scales (as bytes), src_d the 2 bytes of its f16 d."""
+    for k in range(2):
+        dst[base + 2 * lane + k] = src_d[k]
+    for h in range(16):
+        dst[base + _Q6K_SC + 8 * h + lane] = scales[h]  # the scale of values 16h..16h+15
+    for j in range(8):
+        at = base + _Q6K_VALUES + 192 * j
+        values = q[32 * j: 32 * j + 32]
+        _put_nibbles(values, dst, at, lane)
+        _put_plane(values, dst, at + 128, lane, 4, 2)
+
+
 @numba.njit(parallel=True, **_KERNEL)
 def _pack_q6_k(data, packed, n_super):
     """GGUF Q6_K rows -> `pack_weight`'s layout. Row superblock: ql[128], qh[64], scales[16] (int8), d (f16); in
@@ -399,7 +416,7 @@ def _pack_q6_k(data, packed, n_super):
         lane = n % LANES
         q = np.empty(SUPER, np.uint8)
         for s in range(n_super):
-            o, base = s * 210, s * Q6_K_GROUP
+            o = s * 210
             for half in range(2):
                 ql, qh, first = o + 64 * half, o + 128 + 32 * half, 128 * half
                 for v in range(32):
@@ -409,15 +426,36 @@ def _pack_q6_k(data, packed, n_super):
                     q[first + v + 32] = (wide & 15) | (((high >> 2) & 3) << 4)
                     q[first + v + 64] = (low >> 4) | (((high >> 4) & 3) << 4)
                     q[first + v + 96] = (wide >> 4) | (((high >> 6) & 3) << 4)
-            for k in range(2):
-                dst[base + 2 * lane + k] = src[o + 208 + k]  # d
-            for h in range(16):
-                dst[base + _Q6K_SC + 8 * h + lane] = src[o + 192 + h]  # the scale of values 16h..16h+15
-            for j in range(8):
-                at = base + _Q6K_VALUES + 192 * j
-                values = q[32 * j: 32 * j + 32]
-                _put_nibbles(values, dst, at, lane)
-                _put_plane(values, dst, at + 128, lane, 4, 2)
+            _put_q6_k(q, src[o + 192: o + 208], src[o + 208: o + 210], dst, s * Q6_K_GROUP, lane)
+
+
+@numba.njit(parallel=True, **_KERNEL)
+def _pack_q3_k(data, packed, n_super):
+    """GGUF Q3_K rows -> the Q6_K layout of the weight they equal. Row superblock: hmask[32], qs[64], scales[12]
+    (16 6-bit scales s, the weight's scale s - 32), d (f16); in each half h of 128 values (qs + 32h), value
+    32j + l (j < 4, l < 32) is ((qs[l] >> 2j) & 3) - 4, plus 4 where bit 4h + j of hmask[l] is set: -4..3, which
+    the Q6_K layout holds as q = value + 32. Scale i: low 4 bits from scales[i] (i < 8) or scales[i - 8] >> 4,
+    high 2 from scales[8 + i % 4] >> 2 (i // 4)."""
+    for n in numba.prange(data.shape[0]):
+        src = data[n]
+        dst = packed[n // LANES]
+        lane = n % LANES
+        q = np.empty(SUPER, np.uint8)
+        scales = np.empty(16, np.uint8)
+        for s in range(n_super):
+            o = s * 110
+            for half in range(2):
+                for j in range(4):
+                    for v in range(32):
+                        low = (src[o + 32 + 32 * half + v] >> (2 * j)) & 3
+                        high = (src[o + v] >> (4 * half + j)) & 1
+                        q[128 * half + 32 * j + v] = low + 4 * high + 28
+            for i in range(16):
+                packed_low = np.int64(src[o + 96 + i % 8])
+                low = packed_low & 15 if i < 8 else packed_low >> 4
+                scale = low | (((np.int64(src[o + 104 + i % 4]) >> (2 * (i // 4))) & 3) << 4)
+                scales[i] = (scale - 32) & 255
+            _put_q6_k(q, scales, src[o + 108: o + 110], dst, s * Q6_K_GROUP, lane)
 
 
 def _q5_0_as_q5_1(data: np.ndarray) -> np.ndarray:
@@ -433,8 +471,9 @@ def _q5_0_as_q5_1(data: np.ndarray) -> np.ndarray:
 
 
 def kernel_qtype(qtype: int) -> int:
-    """The type whose kernels run a `qtype` weight packed by `pack_weight`: Q5_1 for Q5_0, else itself."""
-    return Q5_1 if qtype == Q5_0 else qtype
+    """The type whose kernels run a `qtype` weight packed by `pack_weight`: Q5_1 for Q5_0, Q6_K for Q3_K, else
+    itself."""
+    return {Q5_0: Q5_1, Q3_K: Q6_K}.get(qtype, qtype)
 
 
 def pack_weight(qtype: int, data: np.ndarray) -> np.ndarray:
@@ -448,13 +487,16 @@ def pack_weight(qtype: int, data: np.ndarray) -> np.ndarray:
     Q4_K / Q5_K superblock of 8 rows: [8 f16 d][8 f16 dmin][8 sub-blocks x 8 scale bytes (one a lane)][8 x 8 min
     bytes][8 x: sub-block j's 4 nibble vectors (Q5_K: then its bit plane)]. Q5_1 block: [8 f16 d][8 f16 m][4
     nibble vectors][bit plane]; Q5_0 is packed as the Q5_1 weight it equals (`kernel_qtype`). Q6_K superblock:
-    [8 f16 d][16 halves x 8 int8 scales][8 x: sub-block j's 4 nibble vectors, its two 2-bit planes]."""
+    [8 f16 d][16 halves x 8 int8 scales][8 x: sub-block j's 4 nibble vectors, its two 2-bit planes]; Q3_K is
+    packed as the Q6_K weight it equals (1.9x its size: one kernel fewer, for a type rarely used)."""
     if qtype == Q5_0:
         qtype, data = Q5_1, _q5_0_as_q5_1(data)
     n_blocks = data.shape[1] // FILE_BYTES[qtype]
     n_groups = -(-data.shape[0] // LANES)
-    packed = np.zeros((n_groups, n_blocks * GROUP[qtype]), np.uint8)
-    if qtype == Q5_1:
+    packed = np.zeros((n_groups, n_blocks * GROUP[kernel_qtype(qtype)]), np.uint8)
+    if qtype == Q3_K:
+        _pack_q3_k(data, packed, n_blocks)
+    elif qtype == Q5_1:
         _pack_q5_1(data, packed, n_blocks)
     elif qtype == Q6_K:
         _pack_q6_k(data, packed, n_blocks)
