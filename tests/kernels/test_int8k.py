@@ -8,6 +8,7 @@ import pytest
 
 from pantheon.kernels.cpu import int8dot, int8k, quant
 from pantheon.kernels.reference import quant as reference
+from tests.kernels.test_int8dot import activations, weight
 
 pytestmark = pytest.mark.skipif(int8dot.INT8_ISA is None, reason="no VNNI or AVX2 on this CPU: no int8 path")
 
@@ -16,16 +17,6 @@ TYPES = [Q4_0, Q5_0, Q5_1, Q3_K, Q4_K, Q5_K, Q6_K]
 IDS = ["Q4_0", "Q5_0", "Q5_1", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
 PACKED = [Q5_1, Q4_K, Q5_K, Q6_K]  # int8k's own layouts
 PACKED_IDS = ["Q5_1", "Q4_K", "Q5_K", "Q6_K"]
-
-
-def weight(qtype: int, rows: int, cols: int, seed: int = 0) -> quant.QWeight:
-    raw = reference.random_weight_bytes(qtype, rows, cols, np.random.default_rng(seed))
-    return quant.prepare_weight(raw, qtype, rows, cols)
-
-
-def activations(batch: int, cols: int, seed: int = 1) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    return (rng.standard_normal((batch, cols)) * rng.uniform(0.01, 30.0, (batch, 1))).astype(np.float32)
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=IDS)

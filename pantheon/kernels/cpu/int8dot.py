@@ -40,6 +40,7 @@ on (q_x + 128) * q_w.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any
 
 import numba
@@ -290,6 +291,47 @@ def _block_loop(builder: ir.IRBuilder, name: str, n_blocks: ir.Value, n_acc: int
     return finals
 
 
+@dataclass
+class RowsDotOperands:
+    """What a rows-dot intrinsic's code works on (args: packed, g, xq, xd, xs, b, out, n0; `_make_rows_dot`):
+    wptr the first byte of packed group g, row_bytes a group's bytes, n_blocks the activation blocks a row, xrows
+    the first byte of each of the n_x activation rows b.., firsts the index of their first block in xd / xs."""
+
+    wptr: ir.Value
+    row_bytes: ir.Value
+    n_blocks: ir.Value
+    xrows: list[ir.Value]
+    firsts: list[ir.Value]
+    xd: Any
+    xs: Any
+    out: Any
+    rows: list[ir.Value]
+    n0: ir.Value
+
+    @classmethod
+    def of(cls, context: Any, builder: ir.IRBuilder, arg_types: Any, args: Any, n_x: int) -> "RowsDotOperands":
+        packed_t, _, xq_t, xd_t, xs_t, _, out_t, _ = arg_types
+        w = context.make_array(packed_t)(context, builder, args[0])
+        x = context.make_array(xq_t)(context, builder, args[2])
+        d = context.make_array(xd_t)(context, builder, args[3])
+        s = context.make_array(xs_t)(context, builder, args[4])
+        o = context.make_array(out_t)(context, builder, args[6])
+        # Row g of the packed matrix, addressed here: a packed[g] view per group (made by the caller) cost an
+        # atomic increment and decrement of the matrix's reference count, on a count both threads share.
+        row_bytes = builder.extract_value(w.strides, 0)
+        wptr = builder.gep(builder.bitcast(w.data, _i8.as_pointer()), [builder.mul(args[1], row_bytes)])
+        n_blocks = builder.extract_value(d.shape, 1)
+        k_dim = builder.extract_value(x.shape, 1)
+        rows = [builder.add(args[5], ir.Constant(_i64, r)) for r in range(n_x)]
+        xrows = [builder.gep(builder.bitcast(x.data, _i8.as_pointer()), [builder.mul(row, k_dim)]) for row in rows]
+        firsts = [builder.mul(row, n_blocks) for row in rows]
+        return cls(wptr, row_bytes, n_blocks, xrows, firsts, d, s, o, rows, args[7])
+
+    def store(self, builder: ir.IRBuilder, totals: list[ir.Value], lanes: int) -> None:
+        """out[rows[r], n0 : n0 + lanes] = totals[r], only the lanes inside out."""
+        _store_lanes(builder, self.out, self.rows, self.n0, builder.extract_value(self.out.shape, 1), totals, lanes)
+
+
 def _store_lanes(builder: ir.IRBuilder, o: Any, rows: list[ir.Value], n0: ir.Value, n_out: ir.Value,
                  totals: list[ir.Value], lanes: int) -> None:
     """out[rows[r], n0 : n0 + lanes] = totals[r] (o: the out array's struct), only the lanes below n_out."""
@@ -336,23 +378,9 @@ def _make_rows_dot(n_x: int, isa: str, lanes: int = LANES) -> Any:
         return context.get_dummy_value()
 
     def emit(context, builder, arg_types, args, q4):  # type: ignore[no-untyped-def]
-        packed_t, _, xq_t, xd_t, xs_t, _, out_t, _ = arg_types
-        w = context.make_array(packed_t)(context, builder, args[0])
-        x = context.make_array(xq_t)(context, builder, args[2])
-        d = context.make_array(xd_t)(context, builder, args[3])
-        s = context.make_array(xs_t)(context, builder, args[4])
-        o = context.make_array(out_t)(context, builder, args[6])
-        b0, n0 = args[5], args[7]
-        # Row g of the packed matrix, addressed here: a packed[g] view per group (made by the caller) cost an
-        # atomic increment and decrement of the matrix's reference count, on a count both threads share.
-        row_bytes = builder.extract_value(w.strides, 0)
-        wptr = builder.gep(builder.bitcast(w.data, _i8.as_pointer()), [builder.mul(args[1], row_bytes)])
-        n_blocks = builder.extract_value(d.shape, 1)
-        k_dim = builder.extract_value(x.shape, 1)
-        n_out = builder.extract_value(o.shape, 1)
-        rows = [builder.add(b0, ir.Constant(_i64, r)) for r in range(n_x)]
-        xrows = [builder.gep(builder.bitcast(x.data, _i8.as_pointer()), [builder.mul(row, k_dim)]) for row in rows]
-        firsts = [builder.mul(row, n_blocks) for row in rows]  # of the row's scales in xd / xs
+        op = RowsDotOperands.of(context, builder, arg_types, args, n_x)
+        wptr, row_bytes, n_blocks, xrows, firsts, d, s = (op.wptr, op.row_bytes, op.n_blocks, op.xrows, op.firsts,
+                                                           op.xd, op.xs)
 
         def dots(j: ir.Value, accs: list[ir.Value]) -> list[ir.Value]:
             _prefetch_next_group(builder, q4, wptr, row_bytes, j, lanes)
@@ -373,7 +401,7 @@ def _make_rows_dot(n_x: int, isa: str, lanes: int = LANES) -> Any:
         if q4:
             totals = [builder.fadd(t, m)
                       for t, m in zip(totals, _block_loop(builder, "m", n_blocks, n_x, lanes, m_terms))]
-        _store_lanes(builder, o, rows, n0, n_out, totals, lanes)
+        op.store(builder, totals, lanes)
 
     rows_dot.__name__ = rows_dot.__qualname__ = f"rows_dot_{n_x}_{isa}_{lanes}"
     return intrinsic(rows_dot)
@@ -428,14 +456,15 @@ def kernel_qtype(qtype: int) -> int:
     return Q4_1 if qtype == Q4_0 else qtype
 
 
-def _q4_0_as_q4_1(data: np.ndarray) -> np.ndarray:
-    """Q4_0 rows (blocks of f16 d and 16 nibble bytes, value d * (q - 8)) as Q4_1 rows (d, m, the same nibbles,
-    value d * q + m) with m = -8 * d: exact in f16 (a power of two times d; |d| < 8188, far past any real scale)."""
-    blocks = data.reshape(data.shape[0], -1, 18)
+def with_m(data: np.ndarray, block_bytes: int, offset: int) -> np.ndarray:
+    """Rows of blocks [f16 d][values] meaning d * (q - offset) (Q4_0: offset 8, Q5_0: 16) as rows of blocks
+    [f16 d][f16 m][the same values] meaning d * q + m (Q4_1, Q5_1), m = -offset * d: exact in f16 (a power of two
+    times d; overflow would need |d| > 65504 / offset, far past any real scale)."""
+    blocks = data.reshape(data.shape[0], -1, block_bytes)
     d = np.ascontiguousarray(blocks[:, :, :2]).view(np.float16)
-    out = np.empty((blocks.shape[0], blocks.shape[1], 20), np.uint8)
+    out = np.empty((blocks.shape[0], blocks.shape[1], block_bytes + 2), np.uint8)
     out[:, :, :2] = blocks[:, :, :2]
-    out[:, :, 2:4] = (d.astype(np.float32) * np.float32(-8.0)).astype(np.float16).view(np.uint8)
+    out[:, :, 2:4] = (d.astype(np.float32) * np.float32(-offset)).astype(np.float16).view(np.uint8)
     out[:, :, 4:] = blocks[:, :, 2:]
     return out.reshape(data.shape[0], -1)
 
@@ -448,7 +477,7 @@ def pack_weight(qtype: int, data: np.ndarray) -> np.ndarray:
     row i]; the lanes past the last row are zero. Same size (plus Q8_0's corrections). Q4_0 is packed as the
     Q4_1 weight it equals (`kernel_qtype`), 2 bytes a block larger."""
     if qtype == Q4_0:
-        qtype, data = Q4_1, _q4_0_as_q4_1(data)
+        qtype, data = Q4_1, with_m(data, 18, 8)
     n_blocks = data.shape[1] // (20 if qtype == Q4_1 else 34)
     n_groups = -(-data.shape[0] // LANES)
     packed = np.zeros((n_groups, n_blocks * (Q4_1_GROUP if qtype == Q4_1 else Q8_0_GROUP)), np.uint8)

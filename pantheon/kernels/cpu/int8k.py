@@ -237,21 +237,9 @@ def _make_rows_dot(n_x: int, isa: str) -> Any:
         return context.get_dummy_value()
 
     def emit(context, builder, arg_types, args, qtype):  # type: ignore[no-untyped-def]
-        packed_t, _, xq_t, xd_t, xs_t, _, out_t, _ = arg_types
-        w = context.make_array(packed_t)(context, builder, args[0])
-        x = context.make_array(xq_t)(context, builder, args[2])
-        d = context.make_array(xd_t)(context, builder, args[3])
-        s = context.make_array(xs_t)(context, builder, args[4])
-        o = context.make_array(out_t)(context, builder, args[6])
-        b0, n0 = args[5], args[7]
-        row_bytes = builder.extract_value(w.strides, 0)
-        wptr = builder.gep(builder.bitcast(w.data, _i8.as_pointer()), [builder.mul(args[1], row_bytes)])
-        n_blocks = builder.extract_value(d.shape, 1)
-        k_dim = builder.extract_value(x.shape, 1)
-        n_out = builder.extract_value(o.shape, 1)
-        rows = [builder.add(b0, ir.Constant(_i64, r)) for r in range(n_x)]
-        xrows = [builder.gep(builder.bitcast(x.data, _i8.as_pointer()), [builder.mul(row, k_dim)]) for row in rows]
-        firsts = [builder.mul(row, n_blocks) for row in rows]
+        op = int8dot.RowsDotOperands.of(context, builder, arg_types, args, n_x)
+        wptr, row_bytes, n_blocks, xrows, firsts, d, s = (op.wptr, op.row_bytes, op.n_blocks, op.xrows, op.firsts,
+                                                           op.xd, op.xs)
 
         def x_scale(r: int, j: ir.Value, scales: Any) -> ir.Value:
             return splat(builder, builder.load(builder.gep(scales.data, [builder.add(firsts[r], j)])), LANES)
@@ -286,7 +274,7 @@ def _make_rows_dot(n_x: int, isa: str) -> Any:
         if qtype != Q6_K:
             totals = [builder.fadd(t, m)
                       for t, m in zip(totals, int8dot._block_loop(builder, "k_m", n_blocks, n_x, LANES, m_terms))]
-        int8dot._store_lanes(builder, o, rows, n0, n_out, totals, LANES)
+        op.store(builder, totals, LANES)
 
     rows_dot.__name__ = rows_dot.__qualname__ = f"k_rows_dot_{n_x}_{isa}"
     return intrinsic(rows_dot)
@@ -458,18 +446,6 @@ def _pack_q3_k(data, packed, n_super):
             _put_q6_k(q, scales, src[o + 108: o + 110], dst, s * Q6_K_GROUP, lane)
 
 
-def _q5_0_as_q5_1(data: np.ndarray) -> np.ndarray:
-    """Q5_0 rows (blocks of f16 d, qh, qs; value d * (q - 16)) as Q5_1 rows (d, m, the same qh and qs; value
-    d * q + m) with m = -16 d: exact in f16 (a power of two times d; |d| < 4094, far past any real scale)."""
-    blocks = data.reshape(data.shape[0], -1, 22)
-    d = np.ascontiguousarray(blocks[:, :, :2]).view(np.float16)
-    out = np.empty((blocks.shape[0], blocks.shape[1], 24), np.uint8)
-    out[:, :, :2] = blocks[:, :, :2]
-    out[:, :, 2:4] = (d.astype(np.float32) * np.float32(-16.0)).astype(np.float16).view(np.uint8)
-    out[:, :, 4:] = blocks[:, :, 2:]
-    return out.reshape(data.shape[0], -1)
-
-
 def kernel_qtype(qtype: int) -> int:
     """The type whose kernels run a `qtype` weight packed by `pack_weight`: Q5_1 for Q5_0, Q6_K for Q3_K, else
     itself."""
@@ -490,7 +466,7 @@ def pack_weight(qtype: int, data: np.ndarray) -> np.ndarray:
     [8 f16 d][16 halves x 8 int8 scales][8 x: sub-block j's 4 nibble vectors, its two 2-bit planes]; Q3_K is
     packed as the Q6_K weight it equals (1.9x its size: one kernel fewer, for a type rarely used)."""
     if qtype == Q5_0:
-        qtype, data = Q5_1, _q5_0_as_q5_1(data)
+        qtype, data = Q5_1, int8dot.with_m(data, 22, 16)
     n_blocks = data.shape[1] // FILE_BYTES[qtype]
     n_groups = -(-data.shape[0] // LANES)
     packed = np.zeros((n_groups, n_blocks * GROUP[kernel_qtype(qtype)]), np.uint8)
