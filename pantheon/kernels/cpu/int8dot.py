@@ -653,11 +653,8 @@ def matmul(qtype: int, packed: np.ndarray, x: np.ndarray, out: np.ndarray, threa
     _matmul(qtype, packed, x, out, _flip(qtype, INT8_ISA), n_chunks)
 
 
-@functools.cache
-def _serial_gemm(isa: str) -> Any:
-    """A one-row-at-a-time gemm on the kernels of another instruction set (not cached on disk), for tests: on a
-    VNNI machine the AVX2 variant runs too, and must give the same bits (the integer sums are exact either way)."""
-    dot = _make_rows_dot(1, isa)
+def serial_gemm(dot: Any) -> Any:
+    """A compiled (not cached on disk) one-row-at-a-time gemm on the one-row rows-dot intrinsic `dot`, for tests."""
 
     @numba.njit(nogil=True, error_model="numpy")
     def gemm(qtype, packed, xq, xd, xs, out):
@@ -666,6 +663,13 @@ def _serial_gemm(isa: str) -> Any:
                 dot(qtype, packed, g, xq, xd, xs, b, out, g * LANES)
 
     return gemm
+
+
+@functools.cache
+def _serial_gemm(isa: str) -> Any:
+    """A one-row-at-a-time gemm on the kernels of another instruction set, for tests: on a VNNI machine the AVX2
+    variant runs too, and must give the same bits (the integer sums are exact either way)."""
+    return serial_gemm(_make_rows_dot(1, isa))
 
 
 def matmul_with_isa(isa: str, qtype: int, packed: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:

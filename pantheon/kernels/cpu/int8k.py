@@ -526,15 +526,7 @@ def matmul(qtype: int, packed: np.ndarray, x: np.ndarray, out: np.ndarray, threa
 @functools.cache
 def _serial_gemm(isa: str) -> Any:
     """A one-row-at-a-time gemm on the kernels of another instruction set (not cached on disk), for tests."""
-    dot = _make_rows_dot(1, isa)
-
-    @numba.njit(nogil=True, error_model="numpy")
-    def gemm(qtype, packed, xq, xd, xs, out):
-        for g in range(packed.shape[0]):
-            for b in range(xq.shape[0]):
-                dot(qtype, packed, g, xq, xd, xs, b, out, g * LANES)
-
-    return gemm
+    return int8dot.serial_gemm(_make_rows_dot(1, isa))
 
 
 def matmul_with_isa(isa: str, qtype: int, packed: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
