@@ -40,7 +40,7 @@ from pantheon.models.base import BatchRow  # noqa: E402
 
 # llama.cpp's LLAMA_FTYPE_MOSTLY_* values
 FTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q2_K": 10, "Q3_K_M": 12, "Q4_K_S": 14, "Q4_K_M": 15,
-          "Q5_K_M": 17, "Q6_K": 18}
+          "Q5_K_M": 17, "Q6_K": 18, "IQ4_NL": 25, "IQ4_XS": 30}
 ACCURACY_PROMPTS = (9, 17, 33, 50, 77, 101)  # prompt lengths, tokens
 
 

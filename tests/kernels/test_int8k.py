@@ -1,5 +1,5 @@
-"""pantheon.kernels.cpu.int8k (int8 activations x Q4_K / Q5_K / Q6_K / Q5_0 / Q5_1 weights) and int8dot's Q4_0
-(run as Q4_1) against the numpy reference."""
+"""pantheon.kernels.cpu.int8k (int8 activations x Q3_K / Q4_K / Q5_K / Q6_K / Q5_0 / Q5_1 / IQ4 weights) and int8dot's
+Q4_0 (run as Q4_1) against the numpy reference."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ from tests.kernels.test_int8dot import activations, weight
 
 pytestmark = pytest.mark.skipif(int8dot.INT8_ISA is None, reason="no VNNI or AVX2 on this CPU: no int8 path")
 
-Q4_0, Q4_1, Q5_0, Q5_1, Q3_K, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 11, 12, 13, 14
-TYPES = [Q4_0, Q5_0, Q5_1, Q3_K, Q4_K, Q5_K, Q6_K]
-IDS = ["Q4_0", "Q5_0", "Q5_1", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
-PACKED = [Q5_1, Q4_K, Q5_K, Q6_K]  # int8k's own layouts
-PACKED_IDS = ["Q5_1", "Q4_K", "Q5_K", "Q6_K"]
+Q4_0, Q4_1, Q5_0, Q5_1, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS = 2, 3, 6, 7, 11, 12, 13, 14, 20, 23
+TYPES = [Q4_0, Q5_0, Q5_1, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS]
+IDS = ["Q4_0", "Q5_0", "Q5_1", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"]
+PACKED = [Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS]  # int8k's own layouts
+PACKED_IDS = ["Q5_1", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"]
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=IDS)
@@ -86,7 +86,7 @@ def test_the_other_kernels_give_the_same_bits(isa: str, qtype: int) -> None:
 def _unpacked(qtype: int, packed: np.ndarray, rows: int) -> np.ndarray:
     """The float32 (rows, K) weight read back from int8k's packed layout as its docstring describes it."""
     group = int8k.GROUP[qtype]
-    block_values = 32 if qtype == Q5_1 else 256
+    block_values = 32 if qtype in (Q5_1, IQ4_NL) else 256
     n_blocks = packed.shape[1] // group
     out = np.zeros((rows, n_blocks * block_values), np.float32)
 
@@ -98,8 +98,9 @@ def _unpacked(qtype: int, packed: np.ndarray, rows: int) -> np.ndarray:
         for s in range(n_blocks):
             sb = packed[g, s * group : (s + 1) * group]
             d = f16(sb, 2 * lane)
-            for j in range(1 if qtype == Q5_1 else 8):
-                at = {Q5_1: 32, Q4_K: 160 + 128 * j, Q5_K: 160 + 160 * j, Q6_K: 144 + 192 * j}[qtype]
+            for j in range(1 if block_values == 32 else 8):
+                at = {Q5_1: 32, Q4_K: 160 + 128 * j, Q5_K: 160 + 160 * j, Q6_K: 144 + 192 * j,
+                      IQ4_NL: 16, IQ4_XS: 80 + 128 * j}[qtype]
                 nib, planes = sb[at : at + 128], sb[at + 128 : at + 192]
                 for v in range(32):
                     k, (u, p) = v % 16, divmod(v, 4)
@@ -109,6 +110,11 @@ def _unpacked(qtype: int, packed: np.ndarray, rows: int) -> np.ndarray:
                         q |= ((int(planes[4 * lane + p]) >> u) & 1) << 4
                     if qtype == Q5_1:
                         value = d * np.float32(q) + f16(sb, 16 + 2 * lane)
+                    elif qtype == IQ4_NL:
+                        value = d * np.float32(int8dot.IQ4_VALUES[q])
+                    elif qtype == IQ4_XS:
+                        sc = int(sb[16 + 8 * j + lane].view(np.int8))
+                        value = d * np.float32(sc) * np.float32(int8dot.IQ4_VALUES[q])
                     elif qtype == Q6_K:
                         high = (int(planes[32 * (u // 4) + 4 * lane + p]) >> (2 * (u % 4))) & 3
                         sc = int(sb[16 + 8 * (2 * j + v // 16) + lane].view(np.int8))
@@ -127,7 +133,7 @@ def test_weight_layout(qtype: int) -> None:
     w = weight(qtype, 11, 512)
     packed = int8k.pack_weight(qtype, w.data)
     layout = int8k.kernel_qtype(qtype)
-    n_blocks = 16 if qtype == Q5_1 else 2
+    n_blocks = 16 if qtype in (Q5_1, IQ4_NL) else 2
     assert packed.shape == (2, n_blocks * int8k.GROUP[layout]) and packed.dtype == np.uint8
     np.testing.assert_allclose(_unpacked(layout, packed, 11), reference.dequantize(qtype, w.data), rtol=1e-6,
                                atol=1e-7)

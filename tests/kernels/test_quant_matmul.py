@@ -163,7 +163,7 @@ def test_prepare_weight_rejects_bad_sizes():
         quant.QWeight(quant.Q4_K, 2, 512, raw)
 
 
-@pytest.mark.parametrize("qtype", [9, 15, 16, 20, 39, 999], ids=lambda t: f"type{t}")
+@pytest.mark.parametrize("qtype", [9, 15, 16, 21, 39, 999], ids=lambda t: f"type{t}")
 def test_unsupported_types_are_named(qtype):
     name = type_id(qtype) if qtype in GGMLQuantizationType._value2member_map_ else "unknown"
     with pytest.raises(quant.UnsupportedTensorType, match=name) as info:
@@ -178,7 +178,7 @@ def test_unsupported_types_are_named(qtype):
 
 
 def test_supported_types_and_block_sizes():
-    assert quant.SUPPORTED_TYPES == {0, 1, 30, 8, 2, 3, 6, 7, 10, 11, 12, 13, 14}
+    assert quant.SUPPORTED_TYPES == {0, 1, 30, 8, 2, 3, 6, 7, 10, 11, 12, 13, 14, 20, 23}
     for qtype in ALL_TYPES:
         block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
         raw = np.zeros(3 * block_bytes * 2, np.uint8)

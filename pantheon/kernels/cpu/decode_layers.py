@@ -391,12 +391,13 @@ def build_plan(blocks: list[Any], output_norm: np.ndarray, head_dim: int, int8: 
                           first_norm=np.asarray(blocks[0].attn_norm, dtype=np.float32),
                           out_qtype=int8dot.kernel_qtype(output.qtype),
                           out_packed=output.int8_packed, out_rows=output.rows,
-                          out_flip=np.int32(int8dot._flip(output.qtype, int8dot.INT8_ISA)))
+                          out_flip=np.int32(int8dot._flip(int8dot.kernel_qtype(output.qtype), int8dot.INT8_ISA)))
     return DecodePlan(
         ends=ends,
         qtypes=np.array([[int8dot.kernel_qtype(w.qtype) for w in layer] for layer in matrices], dtype=np.int64),
         rows=np.array([[w.rows for w in layer] for layer in matrices], dtype=np.int64),
-        flips=np.array([[int8dot._flip(w.qtype, int8dot.INT8_ISA) for w in layer] for layer in matrices],
+        flips=np.array([[int8dot._flip(int8dot.kernel_qtype(w.qtype), int8dot.INT8_ISA) for w in layer]
+                        for layer in matrices],
                        dtype=np.int32),
         w_qkv=lists[0], w_out=lists[1], w_gate_up=lists[2], w_down=lists[3],
         ffn_norms=np.stack([np.asarray(blk.ffn_norm, dtype=np.float32) for blk in blocks]),

@@ -57,6 +57,8 @@ __all__ = ["INT8_ISA", "INT8_TYPES", "matmul", "pack_weight", "quantize_rows"]
 Q4_0, Q4_1, Q8_0 = 2, 3, 8
 # Q4_0 runs on the Q4_1 kernels: `pack_weight` writes its blocks as Q4_1 ones (`kernel_qtype`).
 INT8_TYPES: frozenset[int] = frozenset({Q4_0, Q4_1, Q8_0})
+# IQ4_NL's and IQ4_XS's values (int8k): a 4-bit index into this fixed non-uniform table, times the block's scale.
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
 QK = 32  # values per activation block (and per Q4_1 / Q8_0 weight block)
 LANES = 8  # weight rows side by side in the lanes of one vector
 # Bytes of one packed block of 8 rows (see `pack_weight`): Q4_1 8 f16 d, 8 f16 m, 128 bytes of nibbles; Q8_0

@@ -1,5 +1,5 @@
-"""Integer dot products of K-quant and 5-bit weight rows (Q3_K, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1) with int8-quantized
-activations (x86 only).
+"""Integer dot products of K-quant, 5-bit and IQ4 weight rows (Q3_K, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, IQ4_NL, IQ4_XS)
+with int8-quantized activations (x86 only).
 
 The types of llama.cpp's Q4_K_M and Q5_K_M files: Q4_K / Q5_K for most matrices, Q6_K for the output matrix,
 attn_v and half of ffn_down (llama.cpp's quantizer also writes the output matrix of its Q4_0 and Q4_1 files as
@@ -21,6 +21,9 @@ scales differ:
           scaled by their own d * sc.
     Q3_K  superblocks of 256: f16 d, a 6-bit scale per 16 values (less 32), values -4..3: packed as the Q6_K
           weight it equals.
+    IQ4_XS superblocks of 256: f16 d, a 6-bit scale ls per 32 values (d * (ls - 32)), 4-bit indices into a fixed
+          table of int8 values (`int8dot.IQ4_VALUES`), looked up by `vpshufb`; then as Q6_K, one scale a block.
+    IQ4_NL blocks of 32: f16 d and the same indices.
 
 The packed layouts (`pack_weight`) keep the types' sizes within ~3%: 6-bit scales become bytes, and the values
 keep their bits, as a nibble vector (int8dot's Q4_1 layout) plus bit planes that the kernel joins to it. These
@@ -46,19 +49,24 @@ from pantheon.kernels.cpu.llvm_ir import call, fma, splat
 
 __all__ = ["TYPES", "matmul", "pack_weight"]
 
-Q5_0, Q5_1, Q3_K, Q4_K, Q5_K, Q6_K = 6, 7, 11, 12, 13, 14
-TYPES: frozenset[int] = frozenset({Q5_0, Q5_1, Q3_K, Q4_K, Q5_K, Q6_K})
+Q5_0, Q5_1, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS = 6, 7, 11, 12, 13, 14, 20, 23
+TYPES: frozenset[int] = frozenset({Q5_0, Q5_1, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS})
 SUPER = 256  # values per superblock
 # Bytes of one packed block (Q5_1: of 32 values; the K types: of a 256-value superblock) of 8 rows (see
 # `pack_weight`), and of one row's block in the file.
-Q5_1_GROUP, Q4_K_GROUP, Q5_K_GROUP, Q6_K_GROUP = 192, 1184, 1440, 1680
-GROUP = {Q5_1: Q5_1_GROUP, Q4_K: Q4_K_GROUP, Q5_K: Q5_K_GROUP, Q6_K: Q6_K_GROUP}
-FILE_BYTES = {Q5_0: 22, Q5_1: 24, Q3_K: 110, Q4_K: 144, Q5_K: 176, Q6_K: 210}
+Q5_1_GROUP, Q4_K_GROUP, Q5_K_GROUP, Q6_K_GROUP, IQ4_NL_GROUP, IQ4_XS_GROUP = 192, 1184, 1440, 1680, 144, 1104
+GROUP = {Q5_1: Q5_1_GROUP, Q4_K: Q4_K_GROUP, Q5_K: Q5_K_GROUP, Q6_K: Q6_K_GROUP, IQ4_NL: IQ4_NL_GROUP,
+         IQ4_XS: IQ4_XS_GROUP}
+FILE_BYTES = {Q5_0: 22, Q5_1: 24, Q3_K: 110, Q4_K: 144, Q5_K: 176, Q6_K: 210, IQ4_NL: 18, IQ4_XS: 136}
+_BLOCK_TYPES = (Q5_1, IQ4_NL)  # packed block by block of 32 values; the others by superblocks of 256
 # Offsets inside a packed Q4_K / Q5_K superblock (after 8 f16 d and 8 f16 dmin): 8 sub-blocks x 8 scale bytes,
 # 8 x 8 min bytes, then the sub-blocks' values (Q4_K 128 nibble bytes each, Q5_K those and a 32-byte bit plane).
 _K_SC, _K_M, _K_VALUES = 32, 96, 160
 # In a packed Q6_K superblock (after 8 f16 d): 16 halves x 8 int8 scales, then 192 value bytes a sub-block.
 _Q6K_SC, _Q6K_VALUES = 16, 144
+# In a packed IQ4_XS superblock (after 8 f16 d): 8 sub-blocks x 8 int8 scales (ls - 32), then 128 index bytes a
+# sub-block (nibbles, laid out as a Q4_1 block's).
+_IQ_SC, _IQ_VALUES = 16, 80
 # Bytes of one sub-block's values (the K types) or of a block's (Q5_1: after 8 f16 d and 8 f16 m).
 _SUB_BYTES = {Q4_K: 128, Q5_K: 160, Q6_K: 192}
 _Q5_VALUES = 32
@@ -98,7 +106,7 @@ def _prefetch_next_group(builder: ir.IRBuilder, wptr: ir.Value, row_bytes: ir.Va
                          ) -> None:
     """Block j's share of the next packed group (a superblock's bytes over its 8 blocks), non-temporal, as
     int8dot's kernels do."""
-    share = GROUP[qtype] if qtype == Q5_1 else GROUP[qtype] // 8
+    share = GROUP[qtype] if qtype in _BLOCK_TYPES else GROUP[qtype] // 8
     start = builder.add(row_bytes, builder.mul(j, ir.Constant(_i64, share)))
     for line in range(0, share, 64):
         address = builder.gep(wptr, [builder.add(start, ir.Constant(_i64, line))])
@@ -181,6 +189,29 @@ def _q6_k_weights(builder: ir.IRBuilder, wptr: ir.Value, j: ir.Value
     return signed, magnitudes, builder.fmul(d, sc_a), builder.fmul(d, sc_b)
 
 
+def _iq4_weights(builder: ir.IRBuilder, wptr: ir.Value, j: ir.Value, qtype: int
+                 ) -> tuple[list[ir.Value], list[ir.Value], ir.Value]:
+    """Block j of a packed IQ4_NL or IQ4_XS group: the 8 vectors of table values (signed, -127..113; `vpshufb`
+    looks the nibbles up in the table, held in both 128-bit halves), their magnitudes, and the block's scale per
+    lane (IQ4_NL: d; IQ4_XS: d * (ls - 32))."""
+    if qtype == IQ4_NL:
+        base = builder.mul(j, ir.Constant(_i64, IQ4_NL_GROUP))
+        d_w = builder.fpext(_at(builder, wptr, base, 0, _v8f16), _v8f32)
+        at = ir.Constant(_i64, 16)
+    else:
+        base, sub = _superblock(builder, j, IQ4_XS_GROUP)
+        d = builder.fpext(_at(builder, wptr, base, 0, _v8f16), _v8f32)
+        sc = _lane_bytes(builder, wptr, base, builder.add(builder.mul(sub, ir.Constant(_i64, 8)),
+                                                          ir.Constant(_i64, _IQ_SC)), signed=True)
+        d_w = builder.fmul(d, sc)
+        at = builder.add(builder.mul(sub, ir.Constant(_i64, 128)), ir.Constant(_i64, _IQ_VALUES))
+    table = ir.Constant(_v32i8, [int(v) for v in int8dot.IQ4_VALUES] * 2)
+    signed = [call(builder, "llvm.x86.avx2.pshuf.b", _v32i8, [table, index])
+              for index in _nibble_values(builder, wptr, base, at, False)]
+    magnitudes = [call(builder, "llvm.abs.v32i8", _v32i8, [w, ir.Constant(_i1, 0)]) for w in signed]
+    return signed, magnitudes, d_w
+
+
 def _half_sum(builder: ir.IRBuilder, isa: str, pairs: list[tuple[ir.Value, ir.Value]]) -> ir.Value:
     """<8 x i32>: four (unsigned weights, signed activations) pairs summed per lane. On AVX2 the four
     `vpmaddubsw` results add in 16 bits first: with weights <= 32 (Q6_K's magnitudes; 5-bit values are < 32) and
@@ -208,7 +239,8 @@ def _block_sums(builder: ir.IRBuilder, isa: str, qtype: int, pairs: list[tuple[i
 
 
 # The types a kernel's arms are compiled for, tested in this order (the last one is the fall-through).
-_KERNEL_TYPES = (Q4_K, Q5_K, Q5_1, Q6_K)
+_KERNEL_TYPES = (Q4_K, Q5_K, Q5_1, Q6_K, IQ4_XS, IQ4_NL)
+_IQ4 = (IQ4_NL, IQ4_XS)
 
 
 def _make_rows_dot(n_x: int, isa: str) -> Any:
@@ -249,11 +281,22 @@ def _make_rows_dot(n_x: int, isa: str) -> Any:
             new = []
             if qtype == Q6_K:
                 signed, magnitudes, d_a, d_b = _q6_k_weights(builder, wptr, j)
+            elif qtype in _IQ4:
+                signed, magnitudes, d_w = _iq4_weights(builder, wptr, j, qtype)
             else:
                 values, d_w = _nibble_weights(builder, wptr, j, qtype)
             for r in range(n_x):
                 pieces = _pieces(builder, builder.gep(xrows[r], [builder.mul(j, ir.Constant(_i64, QK))]))
                 d_x = x_scale(r, j, d)
+                if qtype in _IQ4:
+                    # |w| <= 127: a pair of products can reach 32258, so every vpmaddubsw is widened on its own.
+                    sums = None
+                    for u in range(8):
+                        sums = int8dot._unsigned_signed_dot(
+                            builder, isa, magnitudes[u],
+                            call(builder, "llvm.x86.avx2.psign.b", _v32i8, [pieces[u], signed[u]]), sums)
+                    new.append(fma(builder, builder.sitofp(sums, _v8f32), builder.fmul(d_w, d_x), accs[r]))
+                    continue
                 if qtype != Q6_K:
                     sums = _block_sums(builder, isa, qtype, list(zip(values, pieces)))
                     new.append(fma(builder, builder.sitofp(sums, _v8f32), builder.fmul(d_w, d_x), accs[r]))
@@ -271,7 +314,7 @@ def _make_rows_dot(n_x: int, isa: str) -> Any:
             return [fma(builder, m_w, x_scale(r, j, s), accs[r]) for r in range(n_x)]
 
         totals = int8dot._block_loop(builder, "k_dots", n_blocks, n_x, LANES, dots)
-        if qtype != Q6_K:
+        if qtype not in (Q6_K, *_IQ4):
             totals = [builder.fadd(t, m)
                       for t, m in zip(totals, int8dot._block_loop(builder, "k_m", n_blocks, n_x, LANES, m_terms))]
         op.store(builder, totals, LANES)
@@ -446,6 +489,51 @@ def _pack_q3_k(data, packed, n_super):
             _put_q6_k(q, scales, src[o + 108: o + 110], dst, s * Q6_K_GROUP, lane)
 
 
+@numba.njit(parallel=True, **_KERNEL)
+def _pack_iq4_xs(data, packed, n_super):
+    """GGUF IQ4_XS rows -> `pack_weight`'s layout. Row superblock: d (f16), scales_h (u16), scales_l[4], qs[128]:
+    sub-block b has the 6-bit scale ls = nibble b of scales_l | bits 2b, 2b + 1 of scales_h << 4 (the weight's
+    scale d * (ls - 32)) and 16 qs bytes of table indices laid out as a Q4_1 block's nibbles."""
+    for n in numba.prange(data.shape[0]):
+        src = data[n]
+        dst = packed[n // LANES]
+        lane = n % LANES
+        values = np.empty(32, np.uint8)
+        for s in range(n_super):
+            o, base = s * 136, s * IQ4_XS_GROUP
+            for k in range(2):
+                dst[base + 2 * lane + k] = src[o + k]  # d
+            high = np.int64(src[o + 2]) | (np.int64(src[o + 3]) << 8)
+            for b in range(8):
+                ls = ((np.int64(src[o + 4 + b // 2]) >> (4 * (b % 2))) & 15) | (((high >> (2 * b)) & 3) << 4)
+                dst[base + _IQ_SC + 8 * b + lane] = (ls - 32) & 255
+                for v in range(16):
+                    byte = src[o + 8 + 16 * b + v]
+                    values[v] = byte & 15
+                    values[v + 16] = byte >> 4
+                _put_nibbles(values, dst, base + _IQ_VALUES + 128 * b, lane)
+
+
+@numba.njit(parallel=True, **_KERNEL)
+def _pack_iq4_nl(data, packed, n_blocks):
+    """GGUF IQ4_NL rows (blocks of d (f16) and 16 bytes of table indices laid out as Q4_0's nibbles) ->
+    `pack_weight`'s layout."""
+    for n in numba.prange(data.shape[0]):
+        src = data[n]
+        dst = packed[n // LANES]
+        lane = n % LANES
+        values = np.empty(32, np.uint8)
+        for blk in range(n_blocks):
+            o, base = blk * 18, blk * IQ4_NL_GROUP
+            for k in range(2):
+                dst[base + 2 * lane + k] = src[o + k]  # d
+            for v in range(16):
+                byte = src[o + 2 + v]
+                values[v] = byte & 15
+                values[v + 16] = byte >> 4
+            _put_nibbles(values, dst, base + 16, lane)
+
+
 def kernel_qtype(qtype: int) -> int:
     """The type whose kernels run a `qtype` weight packed by `pack_weight`: Q5_1 for Q5_0, Q6_K for Q3_K, else
     itself."""
@@ -464,7 +552,9 @@ def pack_weight(qtype: int, data: np.ndarray) -> np.ndarray:
     bytes][8 x: sub-block j's 4 nibble vectors (Q5_K: then its bit plane)]. Q5_1 block: [8 f16 d][8 f16 m][4
     nibble vectors][bit plane]; Q5_0 is packed as the Q5_1 weight it equals (`kernel_qtype`). Q6_K superblock:
     [8 f16 d][16 halves x 8 int8 scales][8 x: sub-block j's 4 nibble vectors, its two 2-bit planes]; Q3_K is
-    packed as the Q6_K weight it equals (1.9x its size: one kernel fewer, for a type rarely used)."""
+    packed as the Q6_K weight it equals (1.9x its size: one kernel fewer, for a type rarely used). IQ4_XS
+    superblock: [8 f16 d][8 sub-blocks x 8 int8 scales ls - 32][8 x: sub-block j's 4 vectors of index nibbles].
+    IQ4_NL block: [8 f16 d][4 vectors of index nibbles]."""
     if qtype == Q5_0:
         qtype, data = Q5_1, int8dot.with_m(data, 22, 16)
     n_blocks = data.shape[1] // FILE_BYTES[qtype]
@@ -472,6 +562,10 @@ def pack_weight(qtype: int, data: np.ndarray) -> np.ndarray:
     packed = np.zeros((n_groups, n_blocks * GROUP[kernel_qtype(qtype)]), np.uint8)
     if qtype == Q3_K:
         _pack_q3_k(data, packed, n_blocks)
+    elif qtype == IQ4_XS:
+        _pack_iq4_xs(data, packed, n_blocks)
+    elif qtype == IQ4_NL:
+        _pack_iq4_nl(data, packed, n_blocks)
     elif qtype == Q5_1:
         _pack_q5_1(data, packed, n_blocks)
     elif qtype == Q6_K:

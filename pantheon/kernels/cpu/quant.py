@@ -48,6 +48,9 @@ __all__ = [
 F32, F16, BF16 = 0, 1, 30
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 2, 3, 6, 7, 8
 Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 10, 11, 12, 13, 14
+IQ4_NL, IQ4_XS = 20, 23
+# IQ4_NL / IQ4_XS: 4-bit indices into a fixed non-uniform table of values (`int8dot.IQ4_VALUES`).
+_IQ4_FLOATS = int8dot.IQ4_VALUES.astype(np.float32)
 
 # Bytes of x that `_gemm_rows` streams per pass over a chunk of weight rows, so the block stays in cache (Q4_K
 # 2048x8192 at B=512, one thread: 770 ms with the whole 16 MiB of x per pass, 214 ms with 1 MiB blocks).
@@ -313,6 +316,35 @@ def _deq_q8_0(row, dst, n16):
 
 
 @numba.njit(**_KERNEL)
+def _deq_iq4_nl(row, dst, n16):
+    # d f16, qs[16]: element j is the table entry of qs[j]'s low nibble, element 16+j of its high one; times d
+    for i in range(row.shape[0] // 18):
+        p, o = i * 18, i * 32
+        d = _half(row[p], row[p + 1])
+        for j in range(n16):
+            q = row[p + 2 + j]
+            dst[o + j] = d * _IQ4_FLOATS[q & 15]
+            dst[o + 16 + j] = d * _IQ4_FLOATS[q >> 4]
+
+
+@numba.njit(**_KERNEL)
+def _deq_iq4_xs(row, dst, n16):
+    # d f16, scales_h (u16), scales_l[4], qs[128]: sub-block b of 32 values has the 6-bit scale ls = nibble b of
+    # scales_l | bits 2b, 2b + 1 of scales_h << 4 and 16 qs bytes laid out as IQ4_NL's; value d * (ls - 32) * entry
+    for i in range(row.shape[0] // 136):
+        p, o = i * 136, i * 256
+        d = _half(row[p], row[p + 1])
+        high = np.int64(row[p + 2]) | (np.int64(row[p + 3]) << 8)
+        for b in range(8):
+            ls = ((np.int64(row[p + 4 + b // 2]) >> (4 * (b % 2))) & 15) | (((high >> (2 * b)) & 3) << 4)
+            dl = d * _f32(ls - 32)
+            for j in range(n16):
+                q = row[p + 8 + 16 * b + j]
+                dst[o + 32 * b + j] = dl * _IQ4_FLOATS[q & 15]
+                dst[o + 32 * b + 16 + j] = dl * _IQ4_FLOATS[q >> 4]
+
+
+@numba.njit(**_KERNEL)
 def _deq_q4_0(row, dst, n16):
     # d f16, qs[16]: element j is the low nibble of qs[j], element 16+j the high one; value d * (q - 8)
     for i in range(row.shape[0] // 18):
@@ -552,6 +584,10 @@ def _deq_row(qtype, row, dst, n16):
         _deq_q3_k(row, dst, n16)
     elif qtype == Q2_K:
         _deq_q2_k(row, dst, n16)
+    elif qtype == IQ4_XS:
+        _deq_iq4_xs(row, dst, n16)
+    elif qtype == IQ4_NL:
+        _deq_iq4_nl(row, dst, n16)
     elif qtype == F16:
         _deq_f16(row, dst, n16)
     elif qtype == BF16:
@@ -663,5 +699,5 @@ def _dequant_rows(qtype, data, ids, out, n16):
 
 # Every type has a branch in `_deq_row`.
 SUPPORTED_TYPES: frozenset[int] = frozenset(
-    {F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K}
+    {F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS}
 )
