@@ -245,10 +245,10 @@ _IQ4 = (IQ4_NL, IQ4_XS)
 
 def _make_rows_dot(n_x: int, isa: str) -> Any:
     """An intrinsic (qtype, packed, g, xq, xd, xs, b, out, n0), as int8dot's `_make_rows_dot` (8 lanes) but for
-    the packed groups of `pack_weight` (qtype: Q4_K, Q5_K, Q5_1 for Q5_0 too, or Q6_K): out[b + r, n0 : n0 + 8]
-    for r < n_x. Float operations per output in the same order for every n_x (batch invariance): blocks in order
-    into one accumulator (Q6_K: half a, then half b), the m terms (all but Q6_K) into a second, added at the
-    end."""
+    the packed groups of `pack_weight` (qtype: `kernel_qtype` of a type of `TYPES`): out[b + r, n0 : n0 + 8] for
+    r < n_x. Float operations per output in the same order for every n_x (batch invariance): blocks in order
+    into one accumulator (Q6_K: half a, then half b), the m terms (Q4_K, Q5_K, Q5_1) into a second, added at
+    the end."""
 
     def rows_dot(typingctx, qtype, packed, g, xq, xd, xs, b, out, n0):
         return types.void(qtype, packed, g, xq, xd, xs, b, out, n0), codegen
