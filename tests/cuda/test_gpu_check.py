@@ -30,5 +30,7 @@ def test_kernel_bandwidth_step_runs():
 
     if not SIMULATOR:
         pytest.skip("the tiny smoke run is for the simulator; on a GPU run bench/gpu_check.py itself")
+    from pantheon.kernels.cuda.quant import SUPPORTED_TYPES
+
     result = gpu_check.inner_kernels(True, tiny=True)
-    assert len(result["kernels"]) == 2 * 13 + 4
+    assert len(result["kernels"]) == 2 * len(SUPPORTED_TYPES) + 4  # every type at two batch sizes, and 4 others

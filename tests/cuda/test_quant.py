@@ -12,7 +12,7 @@ from pantheon.kernels.reference import quant as reference
 
 pytestmark = pytest.mark.cuda_kernels
 
-ALL_TYPES = [0, 1, 2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 30]  # == quant.SUPPORTED_TYPES, sorted
+ALL_TYPES = [0, 1, 2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 20, 23, 30]  # == quant.SUPPORTED_TYPES, sorted
 
 
 def type_id(qtype: int) -> str:
@@ -111,7 +111,7 @@ def test_upload_rejects_what_the_kernels_cannot_take(kernels):
     quant, cuda, _ = kernels
     placeholder = cuda.to_device(np.zeros((1, 1), np.float32))
     with pytest.raises(quant.UnsupportedTensorType):
-        quant.upload_weight(np.zeros(64, np.uint8), 20, 1, 32, placeholder)  # IQ4_NL
+        quant.upload_weight(np.zeros(66, np.uint8), 21, 1, 256, placeholder)  # IQ3_S
     with pytest.raises(ValueError, match="multiple of the block size"):
         quant.upload_weight(np.zeros(34, np.uint8), 8, 1, 16, placeholder)
     with pytest.raises(ValueError, match="needs"):

@@ -31,10 +31,13 @@ from pantheon.kernels.cuda.launch import BATCH_TILE, GEOMETRY, MM_SHARED, Geomet
 
 F32, F16, BF16 = 0, 1, 30
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 2, 3, 6, 7, 8
+IQ4_NL, IQ4_XS = 20, 23
+# IQ4_NL / IQ4_XS values: a 4-bit index into this fixed table (the format's codebook), times the block's scale.
+_IQ4_TABLE = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.float32)
 Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 10, 11, 12, 13, 14
 
 SUPPORTED_TYPES: frozenset[int] = frozenset(
-    {F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K}
+    {F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS}
 )
 FLOAT_TYPES = frozenset({F32, F16, BF16})
 UNIT = 32  # values per unit of work
@@ -177,6 +180,34 @@ def _unit_q4_0(wb, wh, row, u, wv):
         q = int32(wb[row, p + 2 + j])
         wv[j] = d * float32((q & 15) - 8)
         wv[j + 16] = d * float32((q >> 4) - 8)
+
+
+@cuda.jit(device=True)
+def _unit_iq4_nl(wb, wh, row, u, wv):
+    # d f16, qs[16]: value j is the table entry of qs[j]'s low nibble, value 16 + j of its high one; times d
+    p = u * 18
+    d = float32(wh[row, p // 2])
+    for j in range(16):
+        q = int32(wb[row, p + 2 + j])
+        wv[j] = d * _IQ4_TABLE[q & 15]
+        wv[j + 16] = d * _IQ4_TABLE[q >> 4]
+
+
+@cuda.jit(device=True)
+def _unit_iq4_xs(wb, wh, row, u, wv):
+    # superblocks of 256 values (136 bytes): d f16, scales_h u16, scales_l[4], qs[128]. Unit u is sub-block b = u % 8
+    # of superblock u // 8: 6-bit scale ls = nibble b of scales_l | bits 2b, 2b + 1 of scales_h << 4, its 16 qs
+    # bytes as IQ4_NL's; value d * (ls - 32) * entry
+    p = (u >> 3) * 136
+    b = u & 7
+    d = float32(wh[row, p // 2])
+    high = int32(wb[row, p + 2]) | (int32(wb[row, p + 3]) << 8)
+    ls = ((int32(wb[row, p + 4 + (b >> 1)]) >> (4 * (b & 1))) & 15) | (((high >> (2 * b)) & 3) << 4)
+    dl = d * float32(ls - 32)
+    for j in range(16):
+        q = int32(wb[row, p + 8 + 16 * b + j])
+        wv[j] = dl * _IQ4_TABLE[q & 15]
+        wv[j + 16] = dl * _IQ4_TABLE[q >> 4]
 
 
 @cuda.jit(device=True)
@@ -373,6 +404,10 @@ def _deq_unit(qtype, wb, wh, wf, row, u, n, wv):
         _unit_q3_k(wb, wh, row, u, wv)
     elif qtype == Q2_K:
         _unit_q2_k(wb, wh, row, u, wv)
+    elif qtype == IQ4_XS:
+        _unit_iq4_xs(wb, wh, row, u, wv)
+    elif qtype == IQ4_NL:
+        _unit_iq4_nl(wb, wh, row, u, wv)
     elif qtype == F16:
         _unit_f16(wh, row, u, n, wv)
     elif qtype == BF16:
