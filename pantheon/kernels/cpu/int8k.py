@@ -489,6 +489,14 @@ def _pack_q3_k(data, packed, n_super):
             _put_q6_k(q, scales, src[o + 108: o + 110], dst, s * Q6_K_GROUP, lane)
 
 
+@numba.njit(inline="always")
+def iq4_xs_scale(src, o, b):
+    """The signed scale ls - 32 of sub-block b of the IQ4_XS superblock at src[o:] (d, scales_h u16, scales_l[4],
+    ...): ls = nibble b of scales_l | bits 2b, 2b + 1 of scales_h << 4."""
+    high = np.int64(src[o + 2]) | (np.int64(src[o + 3]) << 8)
+    return (((np.int64(src[o + 4 + b // 2]) >> (4 * (b % 2))) & 15) | (((high >> (2 * b)) & 3) << 4)) - 32
+
+
 @numba.njit(parallel=True, **_KERNEL)
 def _pack_iq4_xs(data, packed, n_super):
     """GGUF IQ4_XS rows -> `pack_weight`'s layout. Row superblock: d (f16), scales_h (u16), scales_l[4], qs[128]:
@@ -503,10 +511,8 @@ def _pack_iq4_xs(data, packed, n_super):
             o, base = s * 136, s * IQ4_XS_GROUP
             for k in range(2):
                 dst[base + 2 * lane + k] = src[o + k]  # d
-            high = np.int64(src[o + 2]) | (np.int64(src[o + 3]) << 8)
             for b in range(8):
-                ls = ((np.int64(src[o + 4 + b // 2]) >> (4 * (b % 2))) & 15) | (((high >> (2 * b)) & 3) << 4)
-                dst[base + _IQ_SC + 8 * b + lane] = (ls - 32) & 255
+                dst[base + _IQ_SC + 8 * b + lane] = iq4_xs_scale(src, o, b) & 255
                 for v in range(16):
                     byte = src[o + 8 + 16 * b + v]
                     values[v] = byte & 15

@@ -334,10 +334,8 @@ def _deq_iq4_xs(row, dst, n16):
     for i in range(row.shape[0] // 136):
         p, o = i * 136, i * 256
         d = _half(row[p], row[p + 1])
-        high = np.int64(row[p + 2]) | (np.int64(row[p + 3]) << 8)
         for b in range(8):
-            ls = ((np.int64(row[p + 4 + b // 2]) >> (4 * (b % 2))) & 15) | (((high >> (2 * b)) & 3) << 4)
-            dl = d * _f32(ls - 32)
+            dl = d * _f32(int8k.iq4_xs_scale(row, p, b))
             for j in range(n16):
                 q = row[p + 8 + 16 * b + j]
                 dst[o + 32 * b + j] = dl * _IQ4_FLOATS[q & 15]

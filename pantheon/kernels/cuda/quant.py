@@ -27,13 +27,14 @@ import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from numba import float32, int32, uint32
 
+from pantheon.kernels.cpu.int8dot import IQ4_VALUES
 from pantheon.kernels.cuda.launch import BATCH_TILE, GEOMETRY, MM_SHARED, Geometry, blocks, cuda
 
 F32, F16, BF16 = 0, 1, 30
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 2, 3, 6, 7, 8
 IQ4_NL, IQ4_XS = 20, 23
-# IQ4_NL / IQ4_XS values: a 4-bit index into this fixed table (the format's codebook), times the block's scale.
-_IQ4_TABLE = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.float32)
+# IQ4_NL / IQ4_XS values: a 4-bit index into the format's fixed table, times the block's scale.
+_IQ4_TABLE = IQ4_VALUES.astype(np.float32)
 Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 10, 11, 12, 13, 14
 
 SUPPORTED_TYPES: frozenset[int] = frozenset(
