@@ -166,13 +166,15 @@ def test_the_other_kernels_give_the_same_bits(isa: str, qtype: int, cols: int) -
     """The AVX2 variant (vpmaddubsw; Q8_0 with the signs moved onto the activations) runs on a VNNI machine too,
     and the 8-lane VNNI one on a machine whose host kernels are the 16-lane ones (INT8_WIDE); their integer sums
     are exact like the host's, so every output matches the host kernels bit for bit. 21 rows: one pair of
-    groups for the wide kernels, then a group of 5 rows on 8 lanes."""
+    groups for the wide kernels, then a group of 5 rows on 8 lanes; 9 activation rows, so that the host takes
+    its wide kernels (`WIDE_MIN_ROWS`)."""
     if isa == "vnni" and int8dot.INT8_ISA != "vnni":
         pytest.skip("no VNNI on this CPU")
+    assert int8dot.WIDE_MIN_ROWS <= 9
     w = weight(qtype, 21, cols, seed=cols)
-    x = activations(3, cols)
+    x = activations(9, cols)
     host = quant.matmul(w, x, int8=True)
-    out = np.full((3, 21), np.nan, dtype=np.float32)
+    out = np.full((9, 21), np.nan, dtype=np.float32)
     int8dot.matmul_with_isa(isa, qtype, w.int8_packed, x, out)
     np.testing.assert_array_equal(out, host)
     err = np.linalg.norm(out - reference.matmul_int8(qtype, w.data, x)) / np.linalg.norm(host)

@@ -71,14 +71,17 @@ def test_rows_not_a_multiple_of_8_write_only_their_outputs(qtype: int) -> None:
 @pytest.mark.parametrize("qtype", [Q5_0, Q3_K, *PACKED], ids=["Q5_0", "Q3_K", *PACKED_IDS])
 @pytest.mark.parametrize("isa", ["avx2", "vnni"])
 def test_the_other_kernels_give_the_same_bits(isa: str, qtype: int) -> None:
-    """The AVX2 variant runs on a VNNI machine too, serially; the integer sums are exact on both, so every output
-    matches the host's kernels bit for bit."""
+    """The AVX2 variant runs on a VNNI machine too, serially, and the 8-lane VNNI one on a machine whose host
+    kernels are the 16-lane ones (`int8dot.INT8_WIDE`); the integer sums are exact on all, so every output
+    matches the host's kernels bit for bit. 21 rows: one pair of groups for the wide kernels, then a group of 5
+    rows on 8 lanes; 9 activation rows, so that the host takes its wide kernels (`int8dot.WIDE_MIN_ROWS`)."""
     if isa == "vnni" and int8dot.INT8_ISA != "vnni":
         pytest.skip("no VNNI on this CPU")
+    assert int8dot.WIDE_MIN_ROWS <= 9
     w = weight(qtype, 21, 768)
-    x = activations(3, 768)
+    x = activations(9, 768)
     host = quant.matmul(w, x, int8=True)
-    out = np.full((3, 21), np.nan, dtype=np.float32)
+    out = np.full((9, 21), np.nan, dtype=np.float32)
     int8k.matmul_with_isa(isa, qtype, w.int8_packed, x, out)
     np.testing.assert_array_equal(out, host)
 

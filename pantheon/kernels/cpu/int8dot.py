@@ -24,8 +24,9 @@ Q4_1's pairs are small enough that a block's eight add up in 16 bits before one 
 else None and the float path is used. With AVX-512 VNNI (and BW), `INT8_WIDE`: the kernels take two groups
 of 8 rows a call on 512-bit vectors, lanes 8..15 the second group's (`_make_rows_dot`'s 16 lanes; on the
 2-core Zen 5 VM a batch-8 Q4_1 1536 x 576 matmul in cache went from 179 to 307 GMAC/s a thread, and the
-in-process batch-8 decode from ~1150 to ~1400 tok/s before the prefetch below). A lane's arithmetic is the
-same on either width. The AVX2 kernels, and the 8-lane VNNI ones, are also run on a wide machine by the tests
+in-process batch-8 decode from ~1150 to ~1400 tok/s before the prefetch below); a matmul of fewer than
+`WIDE_MIN_ROWS` activation rows, which waits on memory, stays on 8 lanes. A lane's arithmetic is the same on
+either width. The AVX2 kernels, and the 8-lane VNNI ones, are also run on a wide machine by the tests
 (`matmul_with_isa`): the integer sums are exact on all, so the bits agree. Numba's on-disk cache is keyed by
 CPU name and features, so a cached kernel never runs on a CPU that lacks its instructions.
 
@@ -79,6 +80,12 @@ INT8_ISA: str | None = _detect_isa()
 # VNNI on 512-bit vectors too (AVX-512 VNNI with BW for the byte operations): the kernels then take two groups
 # of 8 weight rows a call (`_make_rows_dot`'s 16 lanes), half the instructions for the same products.
 INT8_WIDE: bool = INT8_ISA == "vnni" and {"+avx512vnni", "+avx512bw", "+avx512f"} <= HOST_CPU_FEATURES
+# Fewer activation rows than this take the 8-lane kernels even where the 16-lane ones exist. With few rows a
+# matmul waits on memory, and there one group a call streams the weights faster: on the 2-core Zen 4 VM
+# (2026-12-04), 2 threads, Q4_1 matrices of 23 MB from memory, 1 / 2 / 4 rows at 36-59 / 36-37 / 36 GB/s on 8
+# lanes against 29-35 / 30-39 / 26-34 on 16 (Q8_0 alike); at 8 rows 16 lanes were ahead (22-23 against 20-21);
+# the default model's single-stream decode 195-217 tok/s against 170-172.
+WIDE_MIN_ROWS = 8
 
 
 def _offset_q8_0(isa: str | None) -> bool:
@@ -619,9 +626,10 @@ def _group_rows(wide, qtype, packed, g, xq, xd, xs, out):
 @numba.njit(**_KERNEL)
 def _gemm_groups(qtype, packed, xq, xd, xs, out, g_lo, g_hi):
     """out[b, 8g : 8g + 8] for every activation row b and weight group g in g_lo .. g_hi - 1. Each group's blocks
-    are used for every activation row while they are in L1. With `INT8_WIDE`, pairs of groups a call."""
+    are used for every activation row while they are in L1. With `INT8_WIDE` and at least `WIDE_MIN_ROWS`
+    activation rows, pairs of groups a call."""
     g = g_lo
-    while INT8_WIDE and g + 2 <= g_hi:
+    while INT8_WIDE and xq.shape[0] >= WIDE_MIN_ROWS and g + 2 <= g_hi:
         _group_rows(True, qtype, packed, g, xq, xd, xs, out)
         g += 2
     for g in range(g, g_hi):

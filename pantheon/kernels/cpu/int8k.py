@@ -29,7 +29,9 @@ The packed layouts (`pack_weight`) keep the types' sizes within ~3%: 6-bit scale
 keep their bits, as a nibble vector (int8dot's Q4_1 layout) plus bit planes that the kernel joins to it. These
 kernels have their own compiled functions, apart from int8dot's, so that the decode step compiled for Q4_0 /
 Q4_1 / Q8_0 models does not carry them; a model with these matrices runs them matmul by matmul. 8 lanes (256-bit
-vectors) on every ISA.
+vectors), and with AVX-512 VNNI 16 (two groups of 8 rows a call on 512-bit vectors, as int8dot's `INT8_WIDE`
+kernels; AVX-512 has no `vpsignb`, so there a signed weight's sign moves onto the activations by a compare and a
+masked negation).
 """
 
 from __future__ import annotations
@@ -75,11 +77,56 @@ _i1, _i8, _i32, _i64 = ir.IntType(1), ir.IntType(8), ir.IntType(32), ir.IntType(
 _f16, _f32 = ir.HalfType(), ir.FloatType()
 _v8i8, _v32i8 = ir.VectorType(_i8, 8), ir.VectorType(_i8, 32)
 _v16i16, _v8i32 = ir.VectorType(ir.IntType(16), 16), ir.VectorType(_i32, 8)
-_v8f16, _v8f32 = ir.VectorType(_f16, 8), ir.VectorType(_f32, 8)
+_v8f16 = ir.VectorType(_f16, 8)
 
 
-def _bytes(value: int) -> ir.Constant:
-    return ir.Constant(_v32i8, [value] * 32)
+class _Group:
+    """The packed weight group a rows-dot reads, on `lanes` lanes: 8 (one group, 256-bit vectors) or 16 (groups g
+    and g + 1 side by side on 512-bit vectors, AVX-512 VNNI only). Every load names the bytes of one group, as an
+    8-lane type; with 16 lanes it brings the same bytes of the next group too (`int8dot._group_loader`)."""
+
+    def __init__(self, builder: ir.IRBuilder, wptr: ir.Value, row_bytes: ir.Value, lanes: int) -> None:
+        self.builder, self.lanes = builder, lanes
+        self.bytes_type = ir.VectorType(_i8, 4 * lanes)
+        self.f32s = ir.VectorType(_f32, lanes)
+        self._load = int8dot._group_loader(builder, wptr, row_bytes, lanes)
+
+    def at(self, base: ir.Value, offset: int | ir.Value, ty: ir.Type) -> ir.Value:
+        if isinstance(offset, int):
+            offset = ir.Constant(_i64, offset)
+        return self._load(self.builder.add(base, offset), ty)
+
+    def f16s(self, base: ir.Value, offset: int | ir.Value) -> ir.Value:
+        """One f16 a lane (8 at base + offset) as float32."""
+        return self.builder.fpext(self.at(base, offset, _v8f16), self.f32s)
+
+    def lane_bytes(self, base: ir.Value, offset: ir.Value, signed: bool) -> ir.Value:
+        """One byte a lane (8 at base + offset) as float32."""
+        raw = self.at(base, offset, _v8i8)
+        wide = ir.VectorType(_i32, self.lanes)
+        if signed:
+            return self.builder.sitofp(self.builder.sext(raw, wide), self.f32s)
+        return self.builder.uitofp(self.builder.zext(raw, wide), self.f32s)
+
+    def splat_bytes(self, value: int) -> ir.Constant:
+        return ir.Constant(self.bytes_type, [value] * self.bytes_type.count)
+
+    def magnitude(self, w: ir.Value) -> ir.Value:
+        return call(self.builder, f"llvm.abs.v{w.type.count}i8", w.type, [w, ir.Constant(_i1, 0)])
+
+    def with_sign_of(self, x: ir.Value, w: ir.Value) -> ir.Value:
+        """x with w's sign moved onto it (x where w > 0, -x where w < 0; where w is 0 its magnitude is 0, so what
+        stands there meets a zero). AVX2's `vpsignb` has no 512-bit form: there a compare and a masked negation."""
+        if self.lanes == LANES:
+            return call(self.builder, "llvm.x86.avx2.psign.b", _v32i8, [x, w])
+        b = self.builder
+        return b.select(b.icmp_signed("<", w, ir.Constant(w.type, None)), b.sub(ir.Constant(x.type, None), x), x)
+
+    def table_lookup(self, table: np.ndarray, index: ir.Value) -> ir.Value:
+        """table[index] per byte (index 0..15; `vpshufb`, the 16-entry table held in every 128-bit lane)."""
+        name = "llvm.x86.avx2.pshuf.b" if self.lanes == LANES else "llvm.x86.avx512.pshuf.b.512"
+        entries = ir.Constant(self.bytes_type, [int(v) for v in table] * (self.bytes_type.count // 16))
+        return call(self.builder, name, self.bytes_type, [entries, index])
 
 
 def _superblock(builder: ir.IRBuilder, j: ir.Value, group: int) -> tuple[ir.Value, ir.Value]:
@@ -88,132 +135,106 @@ def _superblock(builder: ir.IRBuilder, j: ir.Value, group: int) -> tuple[ir.Valu
     return base, builder.and_(j, ir.Constant(_i64, 7))
 
 
-def _at(builder: ir.IRBuilder, wptr: ir.Value, base: ir.Value, offset: int | ir.Value, ty: ir.Type) -> ir.Value:
-    if isinstance(offset, int):
-        offset = ir.Constant(_i64, offset)
-    return int8dot._load(builder, wptr, builder.add(base, offset), ty)
-
-
-def _lane_bytes(builder: ir.IRBuilder, wptr: ir.Value, base: ir.Value, offset: ir.Value, signed: bool) -> ir.Value:
-    """8 bytes (one a lane) at base + offset as float32 lanes."""
-    raw = _at(builder, wptr, base, offset, _v8i8)
-    if signed:
-        return builder.sitofp(builder.sext(raw, _v8i32), _v8f32)
-    return builder.uitofp(builder.zext(raw, _v8i32), _v8f32)
-
-
-def _prefetch_next_group(builder: ir.IRBuilder, wptr: ir.Value, row_bytes: ir.Value, j: ir.Value, qtype: int
-                         ) -> None:
-    """Block j's share of the next packed group (a superblock's bytes over its 8 blocks), non-temporal, as
-    int8dot's kernels do."""
+def _prefetch_next_group(builder: ir.IRBuilder, wptr: ir.Value, row_bytes: ir.Value, j: ir.Value, qtype: int,
+                         lanes: int) -> None:
+    """Block j's share of the next packed group (a superblock's bytes over its 8 blocks; with 16 lanes, of the next
+    two), non-temporal, as int8dot's kernels do."""
     share = GROUP[qtype] if qtype in _BLOCK_TYPES else GROUP[qtype] // 8
-    start = builder.add(row_bytes, builder.mul(j, ir.Constant(_i64, share)))
-    for line in range(0, share, 64):
-        address = builder.gep(wptr, [builder.add(start, ir.Constant(_i64, line))])
-        call(builder, "llvm.prefetch.p0", ir.VoidType(), [address, ir.Constant(_i32, 0), ir.Constant(_i32, 0),
-                                                          ir.Constant(_i32, 1)])
+    groups = lanes // LANES
+    for step in range(groups, 2 * groups):
+        start = builder.add(builder.mul(row_bytes, ir.Constant(_i64, step)), builder.mul(j, ir.Constant(_i64, share)))
+        for line in range(0, share, 64):
+            address = builder.gep(wptr, [builder.add(start, ir.Constant(_i64, line))])
+            call(builder, "llvm.prefetch.p0", ir.VoidType(), [address, ir.Constant(_i32, 0), ir.Constant(_i32, 0),
+                                                              ir.Constant(_i32, 1)])
 
 
-def _pieces(builder: ir.IRBuilder, xptr: ir.Value) -> list[ir.Value]:
+def _pieces(builder: ir.IRBuilder, xptr: ir.Value, lanes: int) -> list[ir.Value]:
     """The activation block at xptr as 8 vectors, piece u (values 4u..4u+3) broadcast to every lane."""
-    return [builder.bitcast(splat(builder, int8dot._load(builder, xptr, ir.Constant(_i64, 4 * u), _i32), LANES),
-                            _v32i8)
+    return [builder.bitcast(splat(builder, int8dot._load(builder, xptr, ir.Constant(_i64, 4 * u), _i32), lanes),
+                            ir.VectorType(_i8, 4 * lanes))
             for u in range(8)]
 
 
-def _joined_bits(builder: ir.IRBuilder, low: list[ir.Value], plane: ir.Value) -> list[ir.Value]:
+def _joined_bits(grp: _Group, low: list[ir.Value], plane: ir.Value) -> list[ir.Value]:
     """The 8 value vectors of a 5-bit block: low[u] | (bit u of the plane's bytes) << 4."""
-    return [builder.or_(v, builder.shl(builder.and_(builder.lshr(plane, _bytes(u)), _bytes(1)), _bytes(4)))
-            for u, v in enumerate(low)]
+    b, c = grp.builder, grp.splat_bytes
+    return [b.or_(v, b.shl(b.and_(b.lshr(plane, c(u)), c(1)), c(4))) for u, v in enumerate(low)]
 
 
-def _nibble_values(builder: ir.IRBuilder, wptr: ir.Value, base: ir.Value, at: ir.Value, five: bool
-                   ) -> list[ir.Value]:
+def _nibble_values(grp: _Group, base: ir.Value, at: ir.Value, five: bool) -> list[ir.Value]:
     """The 8 value vectors (values 4u..4u+3 of each row in vector u) of a block whose 4 nibble vectors start at
     base + at, followed by its bit plane when five."""
-    packed = [_at(builder, wptr, base, builder.add(at, ir.Constant(_i64, 32 * t)), _v32i8) for t in range(4)]
-    values = [builder.and_(v, _bytes(15)) for v in packed] + [builder.lshr(v, _bytes(4)) for v in packed]
+    b = grp.builder
+    packed = [grp.at(base, b.add(at, ir.Constant(_i64, 32 * t)), _v32i8) for t in range(4)]
+    values = [b.and_(v, grp.splat_bytes(15)) for v in packed] + [b.lshr(v, grp.splat_bytes(4)) for v in packed]
     if five:
-        values = _joined_bits(builder, values, _at(builder, wptr, base, builder.add(at, ir.Constant(_i64, 128)),
-                                                   _v32i8))
+        values = _joined_bits(grp, values, grp.at(base, b.add(at, ir.Constant(_i64, 128)), _v32i8))
     return values
 
 
-def _nibble_weights(builder: ir.IRBuilder, wptr: ir.Value, j: ir.Value, qtype: int
-                    ) -> tuple[list[ir.Value], ir.Value]:
+def _nibble_weights(grp: _Group, j: ir.Value, qtype: int) -> tuple[list[ir.Value], ir.Value]:
     """Block j of a packed Q4_K, Q5_K or Q5_1 group: its 8 value vectors and d_w per lane (d * sc_j; Q5_1: d)."""
+    b = grp.builder
     if qtype == Q5_1:
-        base = builder.mul(j, ir.Constant(_i64, GROUP[Q5_1]))
-        d_w = builder.fpext(_at(builder, wptr, base, 0, _v8f16), _v8f32)
-        return _nibble_values(builder, wptr, base, ir.Constant(_i64, _Q5_VALUES), True), d_w
-    base, sub = _superblock(builder, j, GROUP[qtype])
-    d = builder.fpext(_at(builder, wptr, base, 0, _v8f16), _v8f32)
-    sc = _lane_bytes(builder, wptr, base, builder.add(builder.mul(sub, ir.Constant(_i64, 8)),
-                                                      ir.Constant(_i64, _K_SC)), signed=False)
-    at = builder.add(builder.mul(sub, ir.Constant(_i64, _SUB_BYTES[qtype])), ir.Constant(_i64, _K_VALUES))
-    return _nibble_values(builder, wptr, base, at, qtype == Q5_K), builder.fmul(d, sc)
+        base = b.mul(j, ir.Constant(_i64, GROUP[Q5_1]))
+        return _nibble_values(grp, base, ir.Constant(_i64, _Q5_VALUES), True), grp.f16s(base, 0)
+    base, sub = _superblock(b, j, GROUP[qtype])
+    sc = grp.lane_bytes(base, b.add(b.mul(sub, ir.Constant(_i64, 8)), ir.Constant(_i64, _K_SC)), signed=False)
+    at = b.add(b.mul(sub, ir.Constant(_i64, _SUB_BYTES[qtype])), ir.Constant(_i64, _K_VALUES))
+    return _nibble_values(grp, base, at, qtype == Q5_K), b.fmul(grp.f16s(base, 0), sc)
 
 
-def _m_scales(builder: ir.IRBuilder, wptr: ir.Value, j: ir.Value, qtype: int) -> ir.Value:
+def _m_scales(grp: _Group, j: ir.Value, qtype: int) -> ir.Value:
     """m_w per lane for block j of a packed Q4_K / Q5_K group (-dmin * m_j) or Q5_1 one (m)."""
+    b = grp.builder
     if qtype == Q5_1:
-        base = builder.mul(j, ir.Constant(_i64, GROUP[Q5_1]))
-        return builder.fpext(_at(builder, wptr, base, 16, _v8f16), _v8f32)
-    base, sub = _superblock(builder, j, GROUP[qtype])
-    dmin = builder.fpext(_at(builder, wptr, base, 16, _v8f16), _v8f32)
-    mins = _lane_bytes(builder, wptr, base, builder.add(builder.mul(sub, ir.Constant(_i64, 8)),
-                                                        ir.Constant(_i64, _K_M)), signed=False)
-    return builder.fneg(builder.fmul(dmin, mins))
+        return grp.f16s(b.mul(j, ir.Constant(_i64, GROUP[Q5_1])), 16)
+    base, sub = _superblock(b, j, GROUP[qtype])
+    mins = grp.lane_bytes(base, b.add(b.mul(sub, ir.Constant(_i64, 8)), ir.Constant(_i64, _K_M)), signed=False)
+    return b.fneg(b.fmul(grp.f16s(base, 16), mins))
 
 
-def _q6_k_weights(builder: ir.IRBuilder, wptr: ir.Value, j: ir.Value
-                  ) -> tuple[list[ir.Value], list[ir.Value], ir.Value, ir.Value]:
+def _q6_k_weights(grp: _Group, j: ir.Value) -> tuple[list[ir.Value], list[ir.Value], ir.Value, ir.Value]:
     """Block j of a packed Q6_K group: the 8 vectors of w = q - 32 (values 4u..4u+3 of each row in vector u), their
     magnitudes, and d * sc of the block's two halves (values 0..15, 16..31) per lane."""
-    base, sub = _superblock(builder, j, GROUP[Q6_K])
-    d = builder.fpext(_at(builder, wptr, base, 0, _v8f16), _v8f32)
-    scales = builder.add(builder.mul(sub, ir.Constant(_i64, 16)), ir.Constant(_i64, _Q6K_SC))
-    sc_a = _lane_bytes(builder, wptr, base, scales, signed=True)
-    sc_b = _lane_bytes(builder, wptr, base, builder.add(scales, ir.Constant(_i64, 8)), signed=True)
-    values = builder.add(builder.mul(sub, ir.Constant(_i64, 192)), ir.Constant(_i64, _Q6K_VALUES))
-    nibbles = [_at(builder, wptr, base, builder.add(values, ir.Constant(_i64, 32 * t)), _v32i8) for t in range(4)]
-    planes = [_at(builder, wptr, base, builder.add(values, ir.Constant(_i64, 128 + 32 * h)), _v32i8)
-              for h in range(2)]
-    signed, magnitudes = [], []
+    b, c = grp.builder, grp.splat_bytes
+    base, sub = _superblock(b, j, GROUP[Q6_K])
+    d = grp.f16s(base, 0)
+    scales = b.add(b.mul(sub, ir.Constant(_i64, 16)), ir.Constant(_i64, _Q6K_SC))
+    sc_a = grp.lane_bytes(base, scales, signed=True)
+    sc_b = grp.lane_bytes(base, b.add(scales, ir.Constant(_i64, 8)), signed=True)
+    values = b.add(b.mul(sub, ir.Constant(_i64, 192)), ir.Constant(_i64, _Q6K_VALUES))
+    nibbles = [grp.at(base, b.add(values, ir.Constant(_i64, 32 * t)), _v32i8) for t in range(4)]
+    planes = [grp.at(base, b.add(values, ir.Constant(_i64, 128 + 32 * h)), _v32i8) for h in range(2)]
+    signed = []
     for u in range(8):
-        low = builder.and_(nibbles[u], _bytes(15)) if u < 4 else builder.lshr(nibbles[u - 4], _bytes(4))
-        high = builder.and_(builder.lshr(planes[u // 4], _bytes(2 * (u % 4))), _bytes(3))
-        w = builder.sub(builder.or_(low, builder.shl(high, _bytes(4))), _bytes(32))
-        signed.append(w)
-        magnitudes.append(call(builder, "llvm.abs.v32i8", _v32i8, [w, ir.Constant(_i1, 0)]))
-    return signed, magnitudes, builder.fmul(d, sc_a), builder.fmul(d, sc_b)
+        low = b.and_(nibbles[u], c(15)) if u < 4 else b.lshr(nibbles[u - 4], c(4))
+        high = b.and_(b.lshr(planes[u // 4], c(2 * (u % 4))), c(3))
+        signed.append(b.sub(b.or_(low, b.shl(high, c(4))), c(32)))
+    return signed, [grp.magnitude(w) for w in signed], b.fmul(d, sc_a), b.fmul(d, sc_b)
 
 
-def _iq4_weights(builder: ir.IRBuilder, wptr: ir.Value, j: ir.Value, qtype: int
-                 ) -> tuple[list[ir.Value], list[ir.Value], ir.Value]:
+def _iq4_weights(grp: _Group, j: ir.Value, qtype: int) -> tuple[list[ir.Value], list[ir.Value], ir.Value]:
     """Block j of a packed IQ4_NL or IQ4_XS group: the 8 vectors of table values (signed, -127..113; `vpshufb`
-    looks the nibbles up in the table, held in both 128-bit halves), their magnitudes, and the block's scale per
-    lane (IQ4_NL: d; IQ4_XS: d * (ls - 32))."""
+    looks the nibbles up in the table), their magnitudes, and the block's scale per lane (IQ4_NL: d; IQ4_XS:
+    d * (ls - 32))."""
+    b = grp.builder
     if qtype == IQ4_NL:
-        base = builder.mul(j, ir.Constant(_i64, IQ4_NL_GROUP))
-        d_w = builder.fpext(_at(builder, wptr, base, 0, _v8f16), _v8f32)
+        base = b.mul(j, ir.Constant(_i64, IQ4_NL_GROUP))
+        d_w = grp.f16s(base, 0)
         at = ir.Constant(_i64, 16)
     else:
-        base, sub = _superblock(builder, j, IQ4_XS_GROUP)
-        d = builder.fpext(_at(builder, wptr, base, 0, _v8f16), _v8f32)
-        sc = _lane_bytes(builder, wptr, base, builder.add(builder.mul(sub, ir.Constant(_i64, 8)),
-                                                          ir.Constant(_i64, _IQ_SC)), signed=True)
-        d_w = builder.fmul(d, sc)
-        at = builder.add(builder.mul(sub, ir.Constant(_i64, 128)), ir.Constant(_i64, _IQ_VALUES))
-    table = ir.Constant(_v32i8, [int(v) for v in int8dot.IQ4_VALUES] * 2)
-    signed = [call(builder, "llvm.x86.avx2.pshuf.b", _v32i8, [table, index])
-              for index in _nibble_values(builder, wptr, base, at, False)]
-    magnitudes = [call(builder, "llvm.abs.v32i8", _v32i8, [w, ir.Constant(_i1, 0)]) for w in signed]
-    return signed, magnitudes, d_w
+        base, sub = _superblock(b, j, IQ4_XS_GROUP)
+        sc = grp.lane_bytes(base, b.add(b.mul(sub, ir.Constant(_i64, 8)), ir.Constant(_i64, _IQ_SC)), signed=True)
+        d_w = b.fmul(grp.f16s(base, 0), sc)
+        at = b.add(b.mul(sub, ir.Constant(_i64, 128)), ir.Constant(_i64, _IQ_VALUES))
+    signed = [grp.table_lookup(int8dot.IQ4_VALUES, index) for index in _nibble_values(grp, base, at, False)]
+    return signed, [grp.magnitude(w) for w in signed], d_w
 
 
 def _half_sum(builder: ir.IRBuilder, isa: str, pairs: list[tuple[ir.Value, ir.Value]]) -> ir.Value:
-    """<8 x i32>: four (unsigned weights, signed activations) pairs summed per lane. On AVX2 the four
+    """<lanes x i32>: four (unsigned weights, signed activations) pairs summed per lane. On AVX2 the four
     `vpmaddubsw` results add in 16 bits first: with weights <= 32 (Q6_K's magnitudes; 5-bit values are < 32) and
     |x| <= 127, each is at most 2 * 32 * 127 = 8128 and four at most 32512."""
     if isa == "vnni":
@@ -229,7 +250,7 @@ def _half_sum(builder: ir.IRBuilder, isa: str, pairs: list[tuple[ir.Value, ir.Va
 
 
 def _block_sums(builder: ir.IRBuilder, isa: str, qtype: int, pairs: list[tuple[ir.Value, ir.Value]]) -> ir.Value:
-    """<8 x i32>: a block's eight (unsigned values, activations) pairs summed per lane. 4-bit values on AVX2 all
+    """<lanes x i32>: a block's eight (unsigned values, activations) pairs summed per lane. 4-bit values on AVX2 all
     add in 16 bits (int8dot's Q4_1 sums); 5-bit ones in two halves of four (`_half_sum`)."""
     if isa == "avx2" and qtype == Q4_K:
         return int8dot._q4_block_sums_avx2(builder, pairs)
@@ -243,12 +264,13 @@ _KERNEL_TYPES = (Q4_K, Q5_K, Q5_1, Q6_K, IQ4_XS, IQ4_NL)
 _IQ4 = (IQ4_NL, IQ4_XS)
 
 
-def _make_rows_dot(n_x: int, isa: str) -> Any:
-    """An intrinsic (qtype, packed, g, xq, xd, xs, b, out, n0), as int8dot's `_make_rows_dot` (8 lanes) but for
-    the packed groups of `pack_weight` (qtype: `kernel_qtype` of a type of `TYPES`): out[b + r, n0 : n0 + 8] for
-    r < n_x. Float operations per output in the same order for every n_x (batch invariance): blocks in order
-    into one accumulator (Q6_K: half a, then half b), the m terms (Q4_K, Q5_K, Q5_1) into a second, added at
-    the end."""
+def _make_rows_dot(n_x: int, isa: str, lanes: int = LANES) -> Any:
+    """An intrinsic (qtype, packed, g, xq, xd, xs, b, out, n0), as int8dot's `_make_rows_dot` but for the packed
+    groups of `pack_weight` (qtype: `kernel_qtype` of a type of `TYPES`): out[b + r, n0 : n0 + lanes] for r < n_x
+    (16 lanes: groups g and g + 1 at once, AVX-512 VNNI only; the caller sees that group g + 1 exists). Float
+    operations per output in the same order for every n_x and both widths (batch invariance, the same bits on
+    both): blocks in order into one accumulator (Q6_K: half a, then half b), the m terms (Q4_K, Q5_K, Q5_1) into
+    a second, added at the end."""
 
     def rows_dot(typingctx, qtype, packed, g, xq, xd, xs, b, out, n0):
         return types.void(qtype, packed, g, xq, xd, xs, b, out, n0), codegen
@@ -272,59 +294,61 @@ def _make_rows_dot(n_x: int, isa: str) -> Any:
         op = int8dot.RowsDotOperands.of(context, builder, arg_types, args, n_x)
         wptr, row_bytes, n_blocks, xrows, firsts, d, s = (op.wptr, op.row_bytes, op.n_blocks, op.xrows, op.firsts,
                                                            op.xd, op.xs)
+        grp = _Group(builder, wptr, row_bytes, lanes)
 
         def x_scale(r: int, j: ir.Value, scales: Any) -> ir.Value:
-            return splat(builder, builder.load(builder.gep(scales.data, [builder.add(firsts[r], j)])), LANES)
+            return splat(builder, builder.load(builder.gep(scales.data, [builder.add(firsts[r], j)])), lanes)
+
+        def scaled(sums: ir.Value, d_w: ir.Value, d_x: ir.Value, acc: ir.Value) -> ir.Value:
+            return fma(builder, builder.sitofp(sums, grp.f32s), builder.fmul(d_w, d_x), acc)
 
         def dots(j: ir.Value, accs: list[ir.Value]) -> list[ir.Value]:
-            _prefetch_next_group(builder, wptr, row_bytes, j, qtype)
+            _prefetch_next_group(builder, wptr, row_bytes, j, qtype, lanes)
             new = []
             if qtype == Q6_K:
-                signed, magnitudes, d_a, d_b = _q6_k_weights(builder, wptr, j)
+                signed, magnitudes, d_a, d_b = _q6_k_weights(grp, j)
             elif qtype in _IQ4:
-                signed, magnitudes, d_w = _iq4_weights(builder, wptr, j, qtype)
+                signed, magnitudes, d_w = _iq4_weights(grp, j, qtype)
             else:
-                values, d_w = _nibble_weights(builder, wptr, j, qtype)
+                values, d_w = _nibble_weights(grp, j, qtype)
             for r in range(n_x):
-                pieces = _pieces(builder, builder.gep(xrows[r], [builder.mul(j, ir.Constant(_i64, QK))]))
+                pieces = _pieces(builder, builder.gep(xrows[r], [builder.mul(j, ir.Constant(_i64, QK))]), lanes)
                 d_x = x_scale(r, j, d)
                 if qtype in _IQ4:
                     # |w| <= 127: a pair of products can reach 32258, so every vpmaddubsw is widened on its own.
                     sums = None
                     for u in range(8):
-                        sums = int8dot._unsigned_signed_dot(
-                            builder, isa, magnitudes[u],
-                            call(builder, "llvm.x86.avx2.psign.b", _v32i8, [pieces[u], signed[u]]), sums)
-                    new.append(fma(builder, builder.sitofp(sums, _v8f32), builder.fmul(d_w, d_x), accs[r]))
-                    continue
-                if qtype != Q6_K:
-                    sums = _block_sums(builder, isa, qtype, list(zip(values, pieces)))
-                    new.append(fma(builder, builder.sitofp(sums, _v8f32), builder.fmul(d_w, d_x), accs[r]))
-                    continue
-                pairs = [(magnitudes[u], call(builder, "llvm.x86.avx2.psign.b", _v32i8, [pieces[u], signed[u]]))
-                         for u in range(8)]
-                acc = fma(builder, builder.sitofp(_half_sum(builder, isa, pairs[:4]), _v8f32),
-                          builder.fmul(d_a, d_x), accs[r])
-                new.append(fma(builder, builder.sitofp(_half_sum(builder, isa, pairs[4:]), _v8f32),
-                               builder.fmul(d_b, d_x), acc))
+                        sums = int8dot._unsigned_signed_dot(builder, isa, magnitudes[u],
+                                                            grp.with_sign_of(pieces[u], signed[u]), sums)
+                    new.append(scaled(sums, d_w, d_x, accs[r]))
+                elif qtype != Q6_K:
+                    new.append(scaled(_block_sums(builder, isa, qtype, list(zip(values, pieces))), d_w, d_x, accs[r]))
+                else:
+                    pairs = [(magnitudes[u], grp.with_sign_of(pieces[u], signed[u])) for u in range(8)]
+                    acc = scaled(_half_sum(builder, isa, pairs[:4]), d_a, d_x, accs[r])
+                    new.append(scaled(_half_sum(builder, isa, pairs[4:]), d_b, d_x, acc))
             return new
 
         def m_terms(j: ir.Value, accs: list[ir.Value]) -> list[ir.Value]:
-            m_w = _m_scales(builder, wptr, j, qtype)
+            m_w = _m_scales(grp, j, qtype)
             return [fma(builder, m_w, x_scale(r, j, s), accs[r]) for r in range(n_x)]
 
-        totals = int8dot._block_loop(builder, "k_dots", n_blocks, n_x, LANES, dots)
+        totals = int8dot._block_loop(builder, "k_dots", n_blocks, n_x, lanes, dots)
         if qtype not in (Q6_K, *_IQ4):
             totals = [builder.fadd(t, m)
-                      for t, m in zip(totals, int8dot._block_loop(builder, "k_m", n_blocks, n_x, LANES, m_terms))]
-        op.store(builder, totals, LANES)
+                      for t, m in zip(totals, int8dot._block_loop(builder, "k_m", n_blocks, n_x, lanes, m_terms))]
+        op.store(builder, totals, lanes)
 
-    rows_dot.__name__ = rows_dot.__qualname__ = f"k_rows_dot_{n_x}_{isa}"
+    rows_dot.__name__ = rows_dot.__qualname__ = f"k_rows_dot_{n_x}_{isa}_{lanes}"
     return intrinsic(rows_dot)
 
 
 _ISA = int8dot.INT8_ISA or "avx2"  # never called without one
 _dot_1, _dot_4, _dot_8 = (_make_rows_dot(n, _ISA) for n in (1, 4, 8))
+# Two groups a call on 512-bit vectors with AVX-512 VNNI (`int8dot.INT8_WIDE`); elsewhere never called, and the
+# 8-lane kernels stand in for them so that nothing asks LLVM for instructions the CPU lacks.
+_wide_1, _wide_4, _wide_8 = ((_make_rows_dot(n, _ISA, 2 * LANES) for n in (1, 4, 8)) if int8dot.INT8_WIDE
+                             else (_dot_1, _dot_4, _dot_8))
 _KERNEL = dict(cache=True, nogil=True, error_model="numpy")
 
 
@@ -586,29 +610,52 @@ def pack_weight(qtype: int, data: np.ndarray) -> np.ndarray:
 
 
 @numba.njit(**_KERNEL)
-def _group_rows(qtype, packed, g, xq, xd, xs, out):
-    """Every activation row against weight group g, 8 rows a call while there are 8, then 4, then one."""
+def _group_rows(wide, qtype, packed, g, xq, xd, xs, out):
+    """Every activation row against weight group g (wide: groups g and g + 1, the 16-lane kernels), 8 rows a call
+    while there are 8, then 4, then one."""
     batch = xq.shape[0]
     n0 = g * LANES
     b = 0
     while b + 8 <= batch:
-        _dot_8(qtype, packed, g, xq, xd, xs, b, out, n0)
+        if wide:
+            _wide_8(qtype, packed, g, xq, xd, xs, b, out, n0)
+        else:
+            _dot_8(qtype, packed, g, xq, xd, xs, b, out, n0)
         b += 8
     while b + 4 <= batch:
-        _dot_4(qtype, packed, g, xq, xd, xs, b, out, n0)
+        if wide:
+            _wide_4(qtype, packed, g, xq, xd, xs, b, out, n0)
+        else:
+            _dot_4(qtype, packed, g, xq, xd, xs, b, out, n0)
         b += 4
     while b < batch:
-        _dot_1(qtype, packed, g, xq, xd, xs, b, out, n0)
+        if wide:
+            _wide_1(qtype, packed, g, xq, xd, xs, b, out, n0)
+        else:
+            _dot_1(qtype, packed, g, xq, xd, xs, b, out, n0)
         b += 1
+
+
+@numba.njit(**_KERNEL)
+def _gemm_groups(qtype, packed, xq, xd, xs, out, g_lo, g_hi):
+    """Every activation row against weight groups g_lo .. g_hi - 1; with `int8dot.INT8_WIDE` and at least
+    `int8dot.WIDE_MIN_ROWS` activation rows, pairs of groups a call."""
+    g = g_lo
+    while int8dot.INT8_WIDE and xq.shape[0] >= int8dot.WIDE_MIN_ROWS and g + 2 <= g_hi:
+        _group_rows(True, qtype, packed, g, xq, xd, xs, out)
+        g += 2
+    for g in range(g, g_hi):
+        _group_rows(False, qtype, packed, g, xq, xd, xs, out)
 
 
 @numba.njit(parallel=True, **_KERNEL)
 def _gemm(qtype, packed, xq, xd, xs, out, n_chunks):
+    """Groups of 8 weight rows split into about n_chunks chunks over the threads."""
     n_groups = packed.shape[0]
     chunk = (n_groups + n_chunks - 1) // n_chunks
+    chunk += chunk % 2  # whole pairs of groups for the wide kernels
     for c in numba.prange((n_groups + chunk - 1) // chunk):
-        for g in range(c * chunk, min(n_groups, (c + 1) * chunk)):
-            _group_rows(qtype, packed, g, xq, xd, xs, out)
+        _gemm_groups(qtype, packed, xq, xd, xs, out, c * chunk, min(n_groups, (c + 1) * chunk))
 
 
 @numba.njit(**_KERNEL)
