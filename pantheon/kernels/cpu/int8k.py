@@ -195,9 +195,11 @@ def _m_scales(grp: _Group, j: ir.Value, qtype: int) -> ir.Value:
     return b.fneg(b.fmul(grp.f16s(base, 16), mins))
 
 
-def _q6_k_weights(grp: _Group, j: ir.Value) -> tuple[list[ir.Value], list[ir.Value], ir.Value, ir.Value]:
-    """Block j of a packed Q6_K group: the 8 vectors of w = q - 32 (values 4u..4u+3 of each row in vector u), their
-    magnitudes, and d * sc of the block's two halves (values 0..15, 16..31) per lane."""
+def _q6_k_weights(grp: _Group, j: ir.Value, unsigned: bool
+                  ) -> tuple[list[ir.Value], list[ir.Value], ir.Value, ir.Value]:
+    """Block j of a packed Q6_K group: the 8 vectors of w = q - 32 (values 4u..4u+3 of each row in vector u) and
+    their magnitudes, or (unsigned) the 8 vectors of q and no magnitudes; and d * sc of the block's two halves
+    (values 0..15, 16..31) per lane."""
     b, c = grp.builder, grp.splat_bytes
     base, sub = _superblock(b, j, GROUP[Q6_K])
     d = grp.f16s(base, 0)
@@ -207,11 +209,14 @@ def _q6_k_weights(grp: _Group, j: ir.Value) -> tuple[list[ir.Value], list[ir.Val
     values = b.add(b.mul(sub, ir.Constant(_i64, 192)), ir.Constant(_i64, _Q6K_VALUES))
     nibbles = [grp.at(base, b.add(values, ir.Constant(_i64, 32 * t)), _v32i8) for t in range(4)]
     planes = [grp.at(base, b.add(values, ir.Constant(_i64, 128 + 32 * h)), _v32i8) for h in range(2)]
-    signed = []
+    qs = []
     for u in range(8):
         low = b.and_(nibbles[u], c(15)) if u < 4 else b.lshr(nibbles[u - 4], c(4))
         high = b.and_(b.lshr(planes[u // 4], c(2 * (u % 4))), c(3))
-        signed.append(b.sub(b.or_(low, b.shl(high, c(4))), c(32)))
+        qs.append(b.or_(low, b.shl(high, c(4))))
+    if unsigned:
+        return qs, [], b.fmul(d, sc_a), b.fmul(d, sc_b)
+    signed = [b.sub(q, c(32)) for q in qs]
     return signed, [grp.magnitude(w) for w in signed], b.fmul(d, sc_a), b.fmul(d, sc_b)
 
 
@@ -257,6 +262,14 @@ def _block_sums(builder: ir.IRBuilder, isa: str, qtype: int, pairs: list[tuple[i
     if isa == "avx2":
         return builder.add(_half_sum(builder, isa, pairs[:4]), _half_sum(builder, isa, pairs[4:]))
     return _half_sum(builder, isa, pairs)
+
+
+def _q6_k_unsigned(isa: str) -> bool:
+    """With VNNI, Q6_K's q (0..63) meets the activations unsigned as it is, and 32 times each half's sum of the
+    activations is taken off (`_activations`): no magnitudes, and no moving of signs onto every activation row
+    (`vpsignb`, which AVX-512 lacks: a compare and a masked negation there). On AVX2 four `vpmaddubsw` of
+    q <= 63 could overflow their 16-bit sums, so there the signed form stays."""
+    return isa == "vnni"
 
 
 # The types a kernel's arms are compiled for, tested in this order (the last one is the fall-through).
@@ -306,7 +319,7 @@ def _make_rows_dot(n_x: int, isa: str, lanes: int = LANES) -> Any:
             _prefetch_next_group(builder, wptr, row_bytes, j, qtype, lanes)
             new = []
             if qtype == Q6_K:
-                signed, magnitudes, d_a, d_b = _q6_k_weights(grp, j)
+                signed, magnitudes, d_a, d_b = _q6_k_weights(grp, j, _q6_k_unsigned(isa))
             elif qtype in _IQ4:
                 signed, magnitudes, d_w = _iq4_weights(grp, j, qtype)
             else:
@@ -323,6 +336,18 @@ def _make_rows_dot(n_x: int, isa: str, lanes: int = LANES) -> Any:
                     new.append(scaled(sums, d_w, d_x, accs[r]))
                 elif qtype != Q6_K:
                     new.append(scaled(_block_sums(builder, isa, qtype, list(zip(values, pieces))), d_w, d_x, accs[r]))
+                elif _q6_k_unsigned(isa):
+                    # sum((q - 32) x) = sum(q x) - 32 sum(x) per half, q (0..63) the unsigned operand; the halves'
+                    # sums of x come in xs (`_activations`). Exact integers: the same sums as the signed form.
+                    pairs = list(zip(signed, pieces))
+                    halves = []
+                    for h in range(2):
+                        index = builder.add(builder.mul(builder.add(firsts[r], j), ir.Constant(_i64, 2)),
+                                            ir.Constant(_i64, h))
+                        x_sum = builder.fptosi(builder.load(builder.gep(s.data, [index])), _i32)
+                        offset = splat(builder, builder.shl(x_sum, ir.Constant(_i32, 5)), lanes)
+                        halves.append(builder.sub(_half_sum(builder, isa, pairs[4 * h : 4 * h + 4]), offset))
+                    new.append(scaled(halves[1], d_b, d_x, scaled(halves[0], d_a, d_x, accs[r])))
                 else:
                     pairs = [(magnitudes[u], grp.with_sign_of(pieces[u], signed[u])) for u in range(8)]
                     acc = scaled(_half_sum(builder, isa, pairs[:4]), d_a, d_x, accs[r])
@@ -344,6 +369,7 @@ def _make_rows_dot(n_x: int, isa: str, lanes: int = LANES) -> Any:
 
 
 _ISA = int8dot.INT8_ISA or "avx2"  # never called without one
+_Q6_K_UNSIGNED = _q6_k_unsigned(_ISA)
 _dot_1, _dot_4, _dot_8 = (_make_rows_dot(n, _ISA) for n in (1, 4, 8))
 # Two groups a call on 512-bit vectors with AVX-512 VNNI (`int8dot.INT8_WIDE`); elsewhere never called, and the
 # 8-lane kernels stand in for them so that nothing asks LLVM for instructions the CPU lacks.
@@ -659,8 +685,33 @@ def _gemm(qtype, packed, xq, xd, xs, out, n_chunks):
 
 
 @numba.njit(**_KERNEL)
-def _matmul(qtype, packed, x, out, n_chunks):
+def _half_sums(xq):
+    """float32 (batch, 2 * blocks): the sum of each 16-value half of each activation block's int8 values (exact:
+    at most 16 * 128 in magnitude)."""
+    batch, k_dim = xq.shape
+    sums = np.empty((batch, k_dim // 16), dtype=np.float32)
+    for b in range(batch):
+        for h in range(k_dim // 16):
+            total = 0
+            for i in range(16 * h, 16 * h + 16):
+                total += np.int32(xq[b, i])
+            sums[b, h] = total
+    return sums
+
+
+@numba.njit(**_KERNEL)
+def _activations(qtype, x, q6_k_unsigned):
+    """x quantized for the kernels of `qtype`: int8dot's (xq, xd, xs), where Q6_K's kernels on VNNI
+    (`_q6_k_unsigned`) take the halves' sums of xq (`_half_sums`) in place of xs, which they do not use."""
     xq, xd, xs = int8dot._quantize(x, np.int32(0))
+    if qtype == Q6_K and q6_k_unsigned:
+        xs = _half_sums(xq)
+    return xq, xd, xs
+
+
+@numba.njit(**_KERNEL)
+def _matmul(qtype, packed, x, out, n_chunks):
+    xq, xd, xs = _activations(qtype, x, _Q6_K_UNSIGNED)
     _gemm(qtype, packed, xq, xd, xs, out, n_chunks)
 
 
@@ -678,4 +729,4 @@ def _serial_gemm(isa: str) -> Any:
 
 def matmul_with_isa(isa: str, qtype: int, packed: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
     """`matmul` on the kernels of `isa` ("vnni" or "avx2"; the CPU must have it), serially; for tests."""
-    _serial_gemm(isa)(kernel_qtype(qtype), packed, *int8dot._quantize(x, np.int32(0)), out)
+    _serial_gemm(isa)(kernel_qtype(qtype), packed, *_activations(kernel_qtype(qtype), x, _q6_k_unsigned(isa)), out)
