@@ -83,8 +83,8 @@ INT8_WIDE: bool = INT8_ISA == "vnni" and {"+avx512vnni", "+avx512bw", "+avx512f"
 # Fewer activation rows than this take the 8-lane kernels even where the 16-lane ones exist. With few rows a
 # matmul waits on memory, and there one group a call streams the weights faster: on the 2-core Zen 4 VM
 # (2026-12-04), 2 threads, Q4_1 matrices of 23 MB from memory, 1 / 2 / 4 rows at 36-59 / 36-37 / 36 GB/s on 8
-# lanes against 29-35 / 30-39 / 26-34 on 16 (Q8_0 alike); at 8 rows 16 lanes were ahead (22-23 against 20-21);
-# the default model's single-stream decode 195-217 tok/s against 170-172.
+# lanes against 22-35 / 30-39 / 26-34 on 16 (Q8_0 at 1 row 26-54 against 25-40); at 8 rows 16 lanes were ahead
+# (20-23 against 15-21); the default model's single-stream decode 195-220 tok/s against 164-172.
 WIDE_MIN_ROWS = 8
 
 

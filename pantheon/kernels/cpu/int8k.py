@@ -16,9 +16,10 @@ scales differ:
     Q5_1  blocks of 32: f16 d and m, 5-bit q, value d * q + m; Q5_0 (d * (q - 16)) is packed as the Q5_1
           weight it equals, m = -16 d (exact in f16).
     Q6_K  superblocks of 256: f16 d, a signed 8-bit scale per 16 values, 6-bit q (value d * sc * (q - 32)).
-          w = q - 32 is signed (-32..31): its magnitude meets the activations with w's sign moved onto them
-          (`vpsignb`), as int8dot's Q8_0 does on AVX2; the two 16-value halves of a block sum apart and are
-          scaled by their own d * sc.
+          w = q - 32 is signed (-32..31): on AVX2 its magnitude meets the activations with w's sign moved onto
+          them (`vpsignb`), as int8dot's Q8_0 does; with VNNI q meets them unsigned and 32 times the
+          activations' sum is taken off (`_q6_k_unsigned`). The two 16-value halves of a block sum apart and
+          are scaled by their own d * sc.
     Q3_K  superblocks of 256: f16 d, a 6-bit scale per 16 values (less 32), values -4..3: packed as the Q6_K
           weight it equals.
     IQ4_XS superblocks of 256: f16 d, a 6-bit scale ls per 32 values (d * (ls - 32)), 4-bit indices into a fixed
