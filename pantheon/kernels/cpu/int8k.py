@@ -18,12 +18,13 @@ scales differ:
     Q6_K  superblocks of 256: f16 d, a signed 8-bit scale per 16 values, 6-bit q (value d * sc * (q - 32)).
           w = q - 32 is signed (-32..31): on AVX2 its magnitude meets the activations with w's sign moved onto
           them (`vpsignb`), as int8dot's Q8_0 does; with VNNI q meets them unsigned and 32 times the
-          activations' sum is taken off (`_q6_k_unsigned`). The two 16-value halves of a block sum apart and
+          activations' sum is taken off (`_unsigned_weights`). The two 16-value halves of a block sum apart and
           are scaled by their own d * sc.
     Q3_K  superblocks of 256: f16 d, a 6-bit scale per 16 values (less 32), values -4..3: packed as the Q6_K
           weight it equals.
     IQ4_XS superblocks of 256: f16 d, a 6-bit scale ls per 32 values (d * (ls - 32)), 4-bit indices into a fixed
-          table of int8 values (`int8dot.IQ4_VALUES`), looked up by `vpshufb`; then as Q6_K, one scale a block.
+          table of int8 values (`int8dot.IQ4_VALUES`), looked up by `vpshufb`; then as Q6_K, one scale a block
+          (with VNNI the table's values + 128 meet the activations unsigned, 128 times their sum taken off).
     IQ4_NL blocks of 32: f16 d and the same indices.
 
 The packed layouts (`pack_weight`) keep the types' sizes within ~3%: 6-bit scales become bytes, and the values
@@ -221,10 +222,11 @@ def _q6_k_weights(grp: _Group, j: ir.Value, unsigned: bool
     return signed, [grp.magnitude(w) for w in signed], b.fmul(d, sc_a), b.fmul(d, sc_b)
 
 
-def _iq4_weights(grp: _Group, j: ir.Value, qtype: int) -> tuple[list[ir.Value], list[ir.Value], ir.Value]:
+def _iq4_weights(grp: _Group, j: ir.Value, qtype: int, unsigned: bool
+                 ) -> tuple[list[ir.Value], list[ir.Value], ir.Value]:
     """Block j of a packed IQ4_NL or IQ4_XS group: the 8 vectors of table values (signed, -127..113; `vpshufb`
-    looks the nibbles up in the table), their magnitudes, and the block's scale per lane (IQ4_NL: d; IQ4_XS:
-    d * (ls - 32))."""
+    looks the nibbles up in the table) and their magnitudes, or (unsigned) of the values + 128 (1..241) and no
+    magnitudes; and the block's scale per lane (IQ4_NL: d; IQ4_XS: d * (ls - 32))."""
     b = grp.builder
     if qtype == IQ4_NL:
         base = b.mul(j, ir.Constant(_i64, IQ4_NL_GROUP))
@@ -235,8 +237,15 @@ def _iq4_weights(grp: _Group, j: ir.Value, qtype: int) -> tuple[list[ir.Value], 
         sc = grp.lane_bytes(base, b.add(b.mul(sub, ir.Constant(_i64, 8)), ir.Constant(_i64, _IQ_SC)), signed=True)
         d_w = b.fmul(grp.f16s(base, 0), sc)
         at = b.add(b.mul(sub, ir.Constant(_i64, 128)), ir.Constant(_i64, _IQ_VALUES))
-    signed = [grp.table_lookup(int8dot.IQ4_VALUES, index) for index in _nibble_values(grp, base, at, False)]
+    indices = _nibble_values(grp, base, at, False)
+    if unsigned:
+        return [grp.table_lookup(_IQ4_SHIFTED, index) for index in indices], [], d_w
+    signed = [grp.table_lookup(int8dot.IQ4_VALUES, index) for index in indices]
     return signed, [grp.magnitude(w) for w in signed], d_w
+
+
+# IQ4's table values + 128 (1..241), as the int8 bytes that hold them.
+_IQ4_SHIFTED = (int8dot.IQ4_VALUES.astype(np.int16) + 128).astype(np.uint8).view(np.int8)
 
 
 def _half_sum(builder: ir.IRBuilder, isa: str, pairs: list[tuple[ir.Value, ir.Value]]) -> ir.Value:
@@ -265,11 +274,12 @@ def _block_sums(builder: ir.IRBuilder, isa: str, qtype: int, pairs: list[tuple[i
     return _half_sum(builder, isa, pairs)
 
 
-def _q6_k_unsigned(isa: str) -> bool:
-    """With VNNI, Q6_K's q (0..63) meets the activations unsigned as it is, and 32 times each half's sum of the
-    activations is taken off (`_activations`): no magnitudes, and no moving of signs onto every activation row
-    (`vpsignb`, which AVX-512 lacks: a compare and a masked negation there). On AVX2 four `vpmaddubsw` of
-    q <= 63 could overflow their 16-bit sums, so there the signed form stays."""
+def _unsigned_weights(isa: str) -> bool:
+    """With VNNI, the signed weights meet the activations as unsigned values: Q6_K's q (0..63) as it is, 32 times
+    each half's sum of the activations taken off, and IQ4's table values + 128, 128 times the block's sum taken
+    off (the sums from `_activations`). No magnitudes, and no moving of signs onto every activation row (`vpsignb`,
+    which AVX-512 lacks: a compare and a masked negation there). On AVX2 `vpmaddubsw` could overflow its 16-bit
+    sums with those values, so there the signed form stays."""
     return isa == "vnni"
 
 
@@ -313,6 +323,11 @@ def _make_rows_dot(n_x: int, isa: str, lanes: int = LANES) -> Any:
         def x_scale(r: int, j: ir.Value, scales: Any) -> ir.Value:
             return splat(builder, builder.load(builder.gep(scales.data, [builder.add(firsts[r], j)])), lanes)
 
+        def half_x_sum(r: int, j: ir.Value, h: int) -> ir.Value:
+            """i32: the sum of half h of activation row r's block j (`_half_sums`, in xs on the unsigned path)."""
+            index = builder.add(builder.mul(builder.add(firsts[r], j), ir.Constant(_i64, 2)), ir.Constant(_i64, h))
+            return builder.fptosi(builder.load(builder.gep(s.data, [index])), _i32)
+
         def scaled(sums: ir.Value, d_w: ir.Value, d_x: ir.Value, acc: ir.Value) -> ir.Value:
             return fma(builder, builder.sitofp(sums, grp.f32s), builder.fmul(d_w, d_x), acc)
 
@@ -320,37 +335,42 @@ def _make_rows_dot(n_x: int, isa: str, lanes: int = LANES) -> Any:
             _prefetch_next_group(builder, wptr, row_bytes, j, qtype, lanes)
             new = []
             if qtype == Q6_K:
-                signed, magnitudes, d_a, d_b = _q6_k_weights(grp, j, _q6_k_unsigned(isa))
+                weights, magnitudes, d_a, d_b = _q6_k_weights(grp, j, _unsigned_weights(isa))
             elif qtype in _IQ4:
-                signed, magnitudes, d_w = _iq4_weights(grp, j, qtype)
+                weights, magnitudes, d_w = _iq4_weights(grp, j, qtype, _unsigned_weights(isa))
             else:
                 values, d_w = _nibble_weights(grp, j, qtype)
             for r in range(n_x):
                 pieces = _pieces(builder, builder.gep(xrows[r], [builder.mul(j, ir.Constant(_i64, QK))]), lanes)
                 d_x = x_scale(r, j, d)
-                if qtype in _IQ4:
+                if qtype in _IQ4 and _unsigned_weights(isa):
+                    # sum(w x) = sum((w + 128) x) - 128 sum(x): exact integers, the same sums as the signed form.
+                    sums = None
+                    for u in range(8):
+                        sums = int8dot._unsigned_signed_dot(builder, isa, weights[u], pieces[u], sums)
+                    x_sum = builder.add(half_x_sum(r, j, 0), half_x_sum(r, j, 1))
+                    new.append(scaled(builder.sub(sums, splat(builder, builder.shl(x_sum, ir.Constant(_i32, 7)),
+                                                               lanes)), d_w, d_x, accs[r]))
+                elif qtype in _IQ4:
                     # |w| <= 127: a pair of products can reach 32258, so every vpmaddubsw is widened on its own.
                     sums = None
                     for u in range(8):
                         sums = int8dot._unsigned_signed_dot(builder, isa, magnitudes[u],
-                                                            grp.with_sign_of(pieces[u], signed[u]), sums)
+                                                            grp.with_sign_of(pieces[u], weights[u]), sums)
                     new.append(scaled(sums, d_w, d_x, accs[r]))
                 elif qtype != Q6_K:
                     new.append(scaled(_block_sums(builder, isa, qtype, list(zip(values, pieces))), d_w, d_x, accs[r]))
-                elif _q6_k_unsigned(isa):
+                elif _unsigned_weights(isa):
                     # sum((q - 32) x) = sum(q x) - 32 sum(x) per half, q (0..63) the unsigned operand; the halves'
                     # sums of x come in xs (`_activations`). Exact integers: the same sums as the signed form.
-                    pairs = list(zip(signed, pieces))
+                    pairs = list(zip(weights, pieces))
                     halves = []
                     for h in range(2):
-                        index = builder.add(builder.mul(builder.add(firsts[r], j), ir.Constant(_i64, 2)),
-                                            ir.Constant(_i64, h))
-                        x_sum = builder.fptosi(builder.load(builder.gep(s.data, [index])), _i32)
-                        offset = splat(builder, builder.shl(x_sum, ir.Constant(_i32, 5)), lanes)
+                        offset = splat(builder, builder.shl(half_x_sum(r, j, h), ir.Constant(_i32, 5)), lanes)
                         halves.append(builder.sub(_half_sum(builder, isa, pairs[4 * h : 4 * h + 4]), offset))
                     new.append(scaled(halves[1], d_b, d_x, scaled(halves[0], d_a, d_x, accs[r])))
                 else:
-                    pairs = [(magnitudes[u], grp.with_sign_of(pieces[u], signed[u])) for u in range(8)]
+                    pairs = [(magnitudes[u], grp.with_sign_of(pieces[u], weights[u])) for u in range(8)]
                     acc = scaled(_half_sum(builder, isa, pairs[:4]), d_a, d_x, accs[r])
                     new.append(scaled(_half_sum(builder, isa, pairs[4:]), d_b, d_x, acc))
             return new
@@ -370,7 +390,7 @@ def _make_rows_dot(n_x: int, isa: str, lanes: int = LANES) -> Any:
 
 
 _ISA = int8dot.INT8_ISA or "avx2"  # never called without one
-_Q6_K_UNSIGNED = _q6_k_unsigned(_ISA)
+_UNSIGNED = _unsigned_weights(_ISA)
 _dot_1, _dot_4, _dot_8 = (_make_rows_dot(n, _ISA) for n in (1, 4, 8))
 # Two groups a call on 512-bit vectors with AVX-512 VNNI (`int8dot.INT8_WIDE`); elsewhere never called, and the
 # 8-lane kernels stand in for them so that nothing asks LLVM for instructions the CPU lacks.
@@ -701,18 +721,18 @@ def _half_sums(xq):
 
 
 @numba.njit(**_KERNEL)
-def _activations(qtype, x, q6_k_unsigned):
-    """x quantized for the kernels of `qtype`: int8dot's (xq, xd, xs), where Q6_K's kernels on VNNI
-    (`_q6_k_unsigned`) take the halves' sums of xq (`_half_sums`) in place of xs, which they do not use."""
+def _activations(qtype, x, unsigned):
+    """x quantized for the kernels of `qtype`: int8dot's (xq, xd, xs), where the kernels of Q6_K and IQ4 on VNNI
+    (`_unsigned_weights`) take the halves' sums of xq (`_half_sums`) in place of xs, which they do not use."""
     xq, xd, xs = int8dot._quantize(x, np.int32(0))
-    if qtype == Q6_K and q6_k_unsigned:
+    if unsigned and (qtype == Q6_K or qtype == IQ4_NL or qtype == IQ4_XS):
         xs = _half_sums(xq)
     return xq, xd, xs
 
 
 @numba.njit(**_KERNEL)
 def _matmul(qtype, packed, x, out, n_chunks):
-    xq, xd, xs = _activations(qtype, x, _Q6_K_UNSIGNED)
+    xq, xd, xs = _activations(qtype, x, _UNSIGNED)
     _gemm(qtype, packed, xq, xd, xs, out, n_chunks)
 
 
@@ -730,4 +750,4 @@ def _serial_gemm(isa: str) -> Any:
 
 def matmul_with_isa(isa: str, qtype: int, packed: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
     """`matmul` on the kernels of `isa` ("vnni" or "avx2"; the CPU must have it), serially; for tests."""
-    _serial_gemm(isa)(kernel_qtype(qtype), packed, *_activations(kernel_qtype(qtype), x, _q6_k_unsigned(isa)), out)
+    _serial_gemm(isa)(kernel_qtype(qtype), packed, *_activations(kernel_qtype(qtype), x, _unsigned_weights(isa)), out)
