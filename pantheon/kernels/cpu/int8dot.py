@@ -418,10 +418,9 @@ def _make_rows_dot(n_x: int, isa: str, lanes: int = LANES) -> Any:
 
 _ISA = INT8_ISA or "avx2"  # the kernels below are never called without one
 _dot_1, _dot_4, _dot_8 = (_make_rows_dot(n, _ISA) for n in (1, 4, 8))
-# Two groups a call on 512-bit vectors where the CPU has AVX-512 VNNI (`INT8_WIDE`); elsewhere never called, and
-# the 8-lane kernels stand in for them so that nothing asks LLVM for instructions the CPU lacks.
-_wide_1, _wide_4, _wide_8 = ((_make_rows_dot(n, _ISA, 2 * LANES) for n in (1, 4, 8)) if INT8_WIDE
-                             else (_dot_1, _dot_4, _dot_8))
+# Two groups and 8 activation rows a call on 512-bit vectors with AVX-512 VNNI (`INT8_WIDE`); elsewhere never
+# called, and the 8-lane kernel stands in so that nothing asks LLVM for instructions the CPU lacks.
+_wide_8 = _make_rows_dot(8, _ISA, 2 * LANES) if INT8_WIDE else _dot_8
 
 
 _KERNEL = dict(cache=True, nogil=True, error_model="numpy")
@@ -598,29 +597,26 @@ def quantize_rows(x: np.ndarray, offset: bool = False) -> tuple[np.ndarray, np.n
 
 @numba.njit(**_KERNEL)
 def _group_rows(wide, qtype, packed, g, xq, xd, xs, out):
-    """Every activation row against weight group g (wide: groups g and g + 1, `INT8_WIDE`'s kernels), 8 rows a
-    call while there are 8, then 4, then one."""
+    """Every activation row against weight group g (wide: groups g and g + 1), 8 rows a call while there are 8
+    (wide: on the 16-lane kernels), then 4, then one, on 8 lanes a group: the 16-lane kernels are compiled for 8
+    rows only (each variant is seconds of a cold compile), and a lane's arithmetic is the same on both widths."""
     batch = xq.shape[0]
-    n0 = g * LANES
     b = 0
     while b + 8 <= batch:
         if wide:
-            _wide_8(qtype, packed, g, xq, xd, xs, b, out, n0)
+            _wide_8(qtype, packed, g, xq, xd, xs, b, out, g * LANES)
         else:
-            _dot_8(qtype, packed, g, xq, xd, xs, b, out, n0)
+            _dot_8(qtype, packed, g, xq, xd, xs, b, out, g * LANES)
         b += 8
-    while b + 4 <= batch:
-        if wide:
-            _wide_4(qtype, packed, g, xq, xd, xs, b, out, n0)
-        else:
-            _dot_4(qtype, packed, g, xq, xd, xs, b, out, n0)
-        b += 4
-    while b < batch:
-        if wide:
-            _wide_1(qtype, packed, g, xq, xd, xs, b, out, n0)
-        else:
-            _dot_1(qtype, packed, g, xq, xd, xs, b, out, n0)
-        b += 1
+    for group in range(g, g + 2 if wide else g + 1):
+        n0 = group * LANES
+        rest = b
+        while rest + 4 <= batch:
+            _dot_4(qtype, packed, group, xq, xd, xs, rest, out, n0)
+            rest += 4
+        while rest < batch:
+            _dot_1(qtype, packed, group, xq, xd, xs, rest, out, n0)
+            rest += 1
 
 
 @numba.njit(**_KERNEL)
