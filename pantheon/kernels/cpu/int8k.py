@@ -659,7 +659,7 @@ def pack_weight(qtype: int, data: np.ndarray) -> np.ndarray:
 def _group_rows(wide, qtype, packed, g, xq, xd, xs, out):
     """Every activation row against weight group g (wide: groups g and g + 1), 8 rows a call while there are 8
     (wide: on the 16-lane kernels), then 4, then one, on 8 lanes a group: the 16-lane kernels are compiled for 8
-    rows only (each variant is seconds of a cold compile), and a lane's arithmetic is the same on both widths."""
+    rows only (fewer variants to compile), and a lane's arithmetic is the same on both widths."""
     batch = xq.shape[0]
     b = 0
     while b + 8 <= batch:
