@@ -368,6 +368,13 @@ class DecodePlan:
     ends: DecodeEnds | None = None  # set when the whole step, embedding to logits, runs compiled
 
 
+def _kernel_of(w: Any) -> tuple[int, np.int32]:
+    """The type whose int8dot kernels run w's packed rows (`int8dot.kernel_qtype`), and the activations' flip
+    for them."""
+    qtype = int8dot.kernel_qtype(w.qtype)
+    return qtype, np.int32(int8dot._flip(qtype, int8dot.INT8_ISA))
+
+
 def build_plan(blocks: list[Any], output_norm: np.ndarray, head_dim: int, int8: bool, tok_embd: Any = None,
                output: Any = None) -> DecodePlan | None:
     """The plan for a llama model's blocks, or None when they are not all of the shape this path serves. With
@@ -384,21 +391,19 @@ def build_plan(blocks: list[Any], output_norm: np.ndarray, head_dim: int, int8: 
     for layer in matrices:
         for target, w in zip(lists, layer):
             target.append(w.int8_packed)
+    kernels = [[_kernel_of(w) for w in layer] for layer in matrices]
     ends = None
     if (tok_embd is not None and output is not None and getattr(tok_embd, "qtype", quant.F32) != quant.F32
             and tok_embd.qtype in quant.SUPPORTED_TYPES and getattr(output, "qtype", None) in int8dot.INT8_TYPES):
+        out_qtype, out_flip = _kernel_of(output)
         ends = DecodeEnds(embd_qtype=tok_embd.qtype, embd_data=tok_embd.data,
                           first_norm=np.asarray(blocks[0].attn_norm, dtype=np.float32),
-                          out_qtype=int8dot.kernel_qtype(output.qtype),
-                          out_packed=output.int8_packed, out_rows=output.rows,
-                          out_flip=np.int32(int8dot._flip(int8dot.kernel_qtype(output.qtype), int8dot.INT8_ISA)))
+                          out_qtype=out_qtype, out_packed=output.int8_packed, out_rows=output.rows, out_flip=out_flip)
     return DecodePlan(
         ends=ends,
-        qtypes=np.array([[int8dot.kernel_qtype(w.qtype) for w in layer] for layer in matrices], dtype=np.int64),
+        qtypes=np.array([[qtype for qtype, _ in layer] for layer in kernels], dtype=np.int64),
         rows=np.array([[w.rows for w in layer] for layer in matrices], dtype=np.int64),
-        flips=np.array([[int8dot._flip(int8dot.kernel_qtype(w.qtype), int8dot.INT8_ISA) for w in layer]
-                        for layer in matrices],
-                       dtype=np.int32),
+        flips=np.array([[flip for _, flip in layer] for layer in kernels], dtype=np.int32),
         w_qkv=lists[0], w_out=lists[1], w_gate_up=lists[2], w_down=lists[3],
         ffn_norms=np.stack([np.asarray(blk.ffn_norm, dtype=np.float32) for blk in blocks]),
         next_norms=np.stack([np.asarray(b.attn_norm, dtype=np.float32) for b in blocks[1:]]

@@ -429,6 +429,21 @@ _KERNEL = dict(cache=True, nogil=True, error_model="numpy")
 # --- weights ---------------------------------------------------------------------------------------------
 
 
+@numba.njit(inline="always")
+def put_f16(src, o, dst, at, lane):
+    """A row's f16 at src[o:o + 2] into lane `lane` of the 8 f16 lanes at dst[at] (a packed group's d or m)."""
+    dst[at + 2 * lane] = src[o]
+    dst[at + 2 * lane + 1] = src[o + 1]
+
+
+@numba.njit(inline="always")
+def put_nibble_bytes(src, o, dst, at, lane):
+    """A row's 16 nibble bytes at src[o:] (byte j: value j in the low nibble, j + 16 in the high one; Q4_0's,
+    Q4_1's and IQ4's layout) into lane `lane` of the 4 nibble vectors at dst[at]: byte 4t + k goes to vector t."""
+    for j in range(16):
+        dst[at + 32 * (j // 4) + 4 * lane + j % 4] = src[o + j]
+
+
 @numba.njit(parallel=True, **_KERNEL)
 def _pack_rows(qtype, data, packed, n_blocks):
     """GGUF Q4_1 / Q8_0 rows -> the layout of `pack_weight` (lanes past the last row stay zero)."""
@@ -440,14 +455,10 @@ def _pack_rows(qtype, data, packed, n_blocks):
         lane = n % LANES
         for blk in range(n_blocks):
             o, base = blk * block_bytes, blk * group_bytes
-            dst[base + 2 * lane] = src[o]  # f16 d
-            dst[base + 2 * lane + 1] = src[o + 1]
+            put_f16(src, o, dst, base, lane)  # d
             if qtype == Q4_1:
-                dst[base + 16 + 2 * lane] = src[o + 2]  # f16 m
-                dst[base + 17 + 2 * lane] = src[o + 3]
-                # qs byte j holds values j (low nibble) and j + 16 (high): byte 4t + k goes to vector t, lane.
-                for j in range(16):
-                    dst[base + 32 + 32 * (j // 4) + 4 * lane + j % 4] = src[o + 4 + j]
+                put_f16(src, o + 2, dst, base + 16, lane)  # m
+                put_nibble_bytes(src, o + 4, dst, base + 32, lane)
             else:
                 total = 0
                 for j in range(32):

@@ -447,9 +447,8 @@ def _pack_k(qtype, data, packed, n_super):
         values = np.empty(32, np.uint8)
         for s in range(n_super):
             o, base = s * file_bytes, s * group
-            for k in range(2):
-                dst[base + 2 * lane + k] = src[o + k]  # d
-                dst[base + 16 + 2 * lane + k] = src[o + 2 + k]  # dmin
+            int8dot.put_f16(src, o, dst, base, lane)  # d
+            int8dot.put_f16(src, o + 2, dst, base + 16, lane)  # dmin
             for j in range(8):
                 sc, mn = _scale_min(src, o + 4, j)
                 dst[base + _K_SC + 8 * j + lane] = sc
@@ -477,9 +476,8 @@ def _pack_q5_1(data, packed, n_blocks):
         values = np.empty(32, np.uint8)
         for blk in range(n_blocks):
             o, base = blk * 24, blk * Q5_1_GROUP
-            for k in range(2):
-                dst[base + 2 * lane + k] = src[o + k]  # d
-                dst[base + 16 + 2 * lane + k] = src[o + 2 + k]  # m
+            int8dot.put_f16(src, o, dst, base, lane)  # d
+            int8dot.put_f16(src, o + 2, dst, base + 16, lane)  # m
             high = (np.uint32(src[o + 4]) | (np.uint32(src[o + 5]) << 8) | (np.uint32(src[o + 6]) << 16)
                     | (np.uint32(src[o + 7]) << 24))
             for k in range(16):
@@ -494,8 +492,7 @@ def _pack_q5_1(data, packed, n_blocks):
 def _put_q6_k(q, scales, src_d, dst, base, lane):
     """One row's superblock into lane `lane` of a packed Q6_K superblock at dst[base]: q its 256 values (0..63),
     scales its 16 int8 scales (as bytes), src_d the 2 bytes of its f16 d."""
-    for k in range(2):
-        dst[base + 2 * lane + k] = src_d[k]
+    int8dot.put_f16(src_d, 0, dst, base, lane)
     for h in range(16):
         dst[base + _Q6K_SC + 8 * h + lane] = scales[h]  # the scale of values 16h..16h+15
     for j in range(8):
@@ -576,18 +573,12 @@ def _pack_iq4_xs(data, packed, n_super):
         src = data[n]
         dst = packed[n // LANES]
         lane = n % LANES
-        values = np.empty(32, np.uint8)
         for s in range(n_super):
             o, base = s * 136, s * IQ4_XS_GROUP
-            for k in range(2):
-                dst[base + 2 * lane + k] = src[o + k]  # d
+            int8dot.put_f16(src, o, dst, base, lane)  # d
             for b in range(8):
                 dst[base + _IQ_SC + 8 * b + lane] = iq4_xs_scale(src, o, b) & 255
-                for v in range(16):
-                    byte = src[o + 8 + 16 * b + v]
-                    values[v] = byte & 15
-                    values[v + 16] = byte >> 4
-                _put_nibbles(values, dst, base + _IQ_VALUES + 128 * b, lane)
+                int8dot.put_nibble_bytes(src, o + 8 + 16 * b, dst, base + _IQ_VALUES + 128 * b, lane)
 
 
 @numba.njit(parallel=True, **_KERNEL)
@@ -598,16 +589,10 @@ def _pack_iq4_nl(data, packed, n_blocks):
         src = data[n]
         dst = packed[n // LANES]
         lane = n % LANES
-        values = np.empty(32, np.uint8)
         for blk in range(n_blocks):
             o, base = blk * 18, blk * IQ4_NL_GROUP
-            for k in range(2):
-                dst[base + 2 * lane + k] = src[o + k]  # d
-            for v in range(16):
-                byte = src[o + 2 + v]
-                values[v] = byte & 15
-                values[v + 16] = byte >> 4
-            _put_nibbles(values, dst, base + 16, lane)
+            int8dot.put_f16(src, o, dst, base, lane)  # d
+            int8dot.put_nibble_bytes(src, o + 2, dst, base + 16, lane)
 
 
 def kernel_qtype(qtype: int) -> int:
@@ -746,4 +731,5 @@ def _serial_gemm(isa: str) -> Any:
 
 def matmul_with_isa(isa: str, qtype: int, packed: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
     """`matmul` on the kernels of `isa` ("vnni" or "avx2"; the CPU must have it), serially; for tests."""
-    _serial_gemm(isa)(kernel_qtype(qtype), packed, *_activations(kernel_qtype(qtype), x, _unsigned_weights(isa)), out)
+    qtype = kernel_qtype(qtype)
+    _serial_gemm(isa)(qtype, packed, *_activations(qtype, x, _unsigned_weights(isa)), out)

@@ -51,6 +51,8 @@ Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 10, 11, 12, 13, 14
 IQ4_NL, IQ4_XS = 20, 23
 # IQ4_NL / IQ4_XS: 4-bit indices into a fixed non-uniform table of values (`int8dot.IQ4_VALUES`).
 _IQ4_FLOATS = int8dot.IQ4_VALUES.astype(np.float32)
+# Q4_0's nibble q stands for q - 8: the same lookup as IQ4's, through this table.
+_Q4_0_FLOATS = np.arange(-8, 8, dtype=np.float32)
 
 # Bytes of x that `_gemm_rows` streams per pass over a chunk of weight rows, so the block stays in cache (Q4_K
 # 2048x8192 at B=512, one thread: 770 ms with the whole 16 MiB of x per pass, 214 ms with 1 MiB blocks).
@@ -315,16 +317,21 @@ def _deq_q8_0(row, dst, n16):
             dst[o + j] = d * _f32(_i8(row[p + 2 + j]))
 
 
+@numba.njit(inline="always")
+def _deq_nibbles(row, at, table, scale, dst, o, n16):
+    """A block of 32 values from the 16 bytes at row[at]: element j is the table entry of byte j's low nibble,
+    element 16 + j of its high one; times scale."""
+    for j in range(n16):
+        q = row[at + j]
+        dst[o + j] = scale * table[q & 15]
+        dst[o + 16 + j] = scale * table[q >> 4]
+
+
 @numba.njit(**_KERNEL)
-def _deq_iq4_nl(row, dst, n16):
-    # d f16, qs[16]: element j is the table entry of qs[j]'s low nibble, element 16+j of its high one; times d
+def _deq_nibble_blocks(row, dst, n16, table):
+    # Q4_0 and IQ4_NL: blocks of d f16, qs[16] (`_deq_nibbles`)
     for i in range(row.shape[0] // 18):
-        p, o = i * 18, i * 32
-        d = _half(row[p], row[p + 1])
-        for j in range(n16):
-            q = row[p + 2 + j]
-            dst[o + j] = d * _IQ4_FLOATS[q & 15]
-            dst[o + 16 + j] = d * _IQ4_FLOATS[q >> 4]
+        _deq_nibbles(row, i * 18 + 2, table, _half(row[i * 18], row[i * 18 + 1]), dst, i * 32, n16)
 
 
 @numba.njit(**_KERNEL)
@@ -335,23 +342,8 @@ def _deq_iq4_xs(row, dst, n16):
         p, o = i * 136, i * 256
         d = _half(row[p], row[p + 1])
         for b in range(8):
-            dl = d * _f32(int8k.iq4_xs_scale(row, p, b))
-            for j in range(n16):
-                q = row[p + 8 + 16 * b + j]
-                dst[o + 32 * b + j] = dl * _IQ4_FLOATS[q & 15]
-                dst[o + 32 * b + 16 + j] = dl * _IQ4_FLOATS[q >> 4]
-
-
-@numba.njit(**_KERNEL)
-def _deq_q4_0(row, dst, n16):
-    # d f16, qs[16]: element j is the low nibble of qs[j], element 16+j the high one; value d * (q - 8)
-    for i in range(row.shape[0] // 18):
-        p, o = i * 18, i * 32
-        d = _half(row[p], row[p + 1])
-        for j in range(n16):
-            q = row[p + 2 + j]
-            dst[o + j] = d * _f32(_i8((q & 15) - 8))
-            dst[o + 16 + j] = d * _f32(_i8((q >> 4) - 8))
+            _deq_nibbles(row, p + 8 + 16 * b, _IQ4_FLOATS, d * _f32(int8k.iq4_xs_scale(row, p, b)), dst, o + 32 * b,
+                         n16)
 
 
 @numba.njit(**_KERNEL)
@@ -573,7 +565,7 @@ def _deq_row(qtype, row, dst, n16):
     elif qtype == Q5_K:
         _deq_q5_k(row, dst, n16)
     elif qtype == Q4_0:
-        _deq_q4_0(row, dst, n16)
+        _deq_nibble_blocks(row, dst, n16, _Q4_0_FLOATS)
     elif qtype == Q5_0:
         _deq_q5_0(row, dst, n16)
     elif qtype == Q5_1:
@@ -585,7 +577,7 @@ def _deq_row(qtype, row, dst, n16):
     elif qtype == IQ4_XS:
         _deq_iq4_xs(row, dst, n16)
     elif qtype == IQ4_NL:
-        _deq_iq4_nl(row, dst, n16)
+        _deq_nibble_blocks(row, dst, n16, _IQ4_FLOATS)
     elif qtype == F16:
         _deq_f16(row, dst, n16)
     elif qtype == BF16:

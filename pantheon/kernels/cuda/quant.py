@@ -184,14 +184,20 @@ def _unit_q4_0(wb, wh, row, u, wv):
 
 
 @cuda.jit(device=True)
-def _unit_iq4_nl(wb, wh, row, u, wv):
-    # d f16, qs[16]: value j is the table entry of qs[j]'s low nibble, value 16 + j of its high one; times d
-    p = u * 18
-    d = float32(wh[row, p // 2])
+def _iq4_values(wb, row, at, scale, wv):
+    # the 16 qs bytes at wb[row, at]: value j is the table entry of byte j's low nibble, value 16 + j of its high
+    # one; times scale
     for j in range(16):
-        q = int32(wb[row, p + 2 + j])
-        wv[j] = d * _IQ4_TABLE[q & 15]
-        wv[j + 16] = d * _IQ4_TABLE[q >> 4]
+        q = int32(wb[row, at + j])
+        wv[j] = scale * _IQ4_TABLE[q & 15]
+        wv[j + 16] = scale * _IQ4_TABLE[q >> 4]
+
+
+@cuda.jit(device=True)
+def _unit_iq4_nl(wb, wh, row, u, wv):
+    # d f16, qs[16] (`_iq4_values`), times d
+    p = u * 18
+    _iq4_values(wb, row, p + 2, float32(wh[row, p // 2]), wv)
 
 
 @cuda.jit(device=True)
@@ -204,11 +210,7 @@ def _unit_iq4_xs(wb, wh, row, u, wv):
     d = float32(wh[row, p // 2])
     high = int32(wb[row, p + 2]) | (int32(wb[row, p + 3]) << 8)
     ls = ((int32(wb[row, p + 4 + (b >> 1)]) >> (4 * (b & 1))) & 15) | (((high >> (2 * b)) & 3) << 4)
-    dl = d * float32(ls - 32)
-    for j in range(16):
-        q = int32(wb[row, p + 8 + 16 * b + j])
-        wv[j] = dl * _IQ4_TABLE[q & 15]
-        wv[j + 16] = dl * _IQ4_TABLE[q >> 4]
+    _iq4_values(wb, row, p + 8 + 16 * b, d * float32(ls - 32), wv)
 
 
 @cuda.jit(device=True)
