@@ -159,29 +159,48 @@ def _group_block_base(j: ir.Value, q4: bool, builder: ir.IRBuilder) -> ir.Value:
     return builder.mul(j, ir.Constant(_i64, Q4_1_GROUP if q4 else Q8_0_GROUP))
 
 
+# Where the kernels' prefetches of the next group put its bytes (llvm.prefetch's locality), by vector width. With
+# 8 lanes non-temporal (prefetchnta; the weights are read once a step): a batch-1 matmul waits on memory and
+# reaches the group within about a microsecond. The 16-lane kernels, which take 8 activation rows a call (from
+# `WIDE_MIN_ROWS`), spend longer on each block and reach the prefetched group later, and a non-temporal line
+# did not wait for them: on the 2-core Zen 4 VM (2026-12-05) the default model's batch-8 output matmul (Q8_0
+# 49152 x 576, 30 MB, 2 threads, from memory) took 1.29-1.49 ms with prefetchnta and 0.78-0.96 ms with
+# prefetcht1 / prefetcht2 (prefetcht0: 1.34-1.46), its in-cache arithmetic ~0.84 ms; inside the decode step
+# (`bench/phase_profile.py --levels 8`, alternating trees, 2 processes each) that matmul went from 4300-4800
+# to 2200-2800 k cycles a step and nothing else moved, and `bench/batch_ab.py --pairs 4 --rounds 4` gave
+# batch-8 medians 926 -> 1012 tok/s, batch 1 249 / 253. (Prefetcht2 at 8 lanes too slowed batch 1 by ~9% in
+# the one A/B it had, within this VM's noise.)
+_PREFETCH_LOCALITY = {LANES: 0, 2 * LANES: 2}
+
+
+def prefetch_line(builder: ir.IRBuilder, address: ir.Value, lanes: int) -> None:
+    """A software prefetch of the cache line at `address` (an i8*) for a kernel of `lanes` lanes: of a weight
+    group ahead, where `_PREFETCH_LOCALITY` says. It never faults, past the matrix's end too."""
+    # llvm.prefetch(address, read, locality, data cache)
+    call(builder, "llvm.prefetch.p0", ir.VoidType(), [address, ir.Constant(_i32, 0),
+                                                      ir.Constant(_i32, _PREFETCH_LOCALITY[lanes]),
+                                                      ir.Constant(_i32, 1)])
+
+
 def _prefetch_next_group(builder: ir.IRBuilder, q4: bool, wptr: ir.Value, row_bytes: ir.Value, j: ir.Value,
                          lanes: int) -> None:
     """Ask for block j of the next packed group (the next row of the packed matrix, where a chunk of groups
-    goes next; with 16 lanes, of the next two), non-temporal (the weights are read once a step): a group
-    ahead is further than the hardware prefetcher runs. At every batch size and on both widths. With one
-    activation row the loop waits on memory: the batch-1 decode step on the 2-core Zen 3 VM was 5-16% faster
-    in 9 of 10 rounds of two A/B runs (200 steps a round). With 16 lanes (`INT8_WIDE`) the loop waits on
-    memory at every batch size: on the 2-core Zen 5 VM, 8 sequences decoded in-process at 1723-1818 tok/s
-    with the prefetch at every size against 1374-1491 with it at one row only (3 alternating runs of 3
-    rounds, `bench/batched.py`'s loop); two pairs ahead measured the same as one. With 8 lanes (AVX2) and
+    goes next; with 16 lanes, of the next two): a group ahead is further than the hardware prefetcher runs. At
+    every batch size and on both widths (`prefetch_line`). With one activation row the loop waits on memory:
+    the batch-1 decode step on the 2-core Zen 3 VM was 5-16% faster in 9 of 10 rounds of two A/B runs (200
+    steps a round). With 16 lanes (`INT8_WIDE`) the loop waits on memory at every batch size: on the 2-core
+    Zen 5 VM, 8 sequences decoded in-process at 1723-1818 tok/s with the prefetch at every size against
+    1374-1491 with it at one row only (3 alternating runs of 3 rounds, `bench/batched.py`'s loop); two pairs
+    ahead measured the same as one (so did two pairs ahead on Zen 4 with prefetcht2). With 8 lanes (AVX2) and
     4 or 8 rows the loop is bound by its arithmetic, but inside a decode step it still waited on the weights:
     `bench/batch_ab.py --pairs 4 --rounds 4` on the 2-core Zen 3 VM (2026-12-04), batch-8 medians 613 ->
-    644 tok/s (per process 585-626 -> 631-647), batch 1 unchanged (218 / 221). A prefetch past the matrix's
-    end touches nothing (it never faults)."""
+    644 tok/s (per process 585-626 -> 631-647), batch 1 unchanged (218 / 221)."""
     group = Q4_1_GROUP if q4 else Q8_0_GROUP
     groups = lanes // LANES
     for step in range(groups, 2 * groups):
         ahead = builder.add(builder.mul(row_bytes, ir.Constant(_i64, step)), _group_block_base(j, q4, builder))
         for line in range(0, group, 64):
-            address = builder.gep(wptr, [builder.add(ahead, ir.Constant(_i64, line))])
-            # llvm.prefetch(address, read, locality 0 = non-temporal, data cache)
-            call(builder, "llvm.prefetch.p0", ir.VoidType(), [address, ir.Constant(_i32, 0), ir.Constant(_i32, 0),
-                                                              ir.Constant(_i32, 1)])
+            prefetch_line(builder, builder.gep(wptr, [builder.add(ahead, ir.Constant(_i64, line))]), lanes)
 
 
 def _joined(builder: ir.IRBuilder, a: ir.Value, b: ir.Value) -> ir.Value:

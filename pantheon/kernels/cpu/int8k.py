@@ -140,15 +140,13 @@ def _superblock(builder: ir.IRBuilder, j: ir.Value, group: int) -> tuple[ir.Valu
 def _prefetch_next_group(builder: ir.IRBuilder, wptr: ir.Value, row_bytes: ir.Value, j: ir.Value, qtype: int,
                          lanes: int) -> None:
     """Block j's share of the next packed group (a superblock's bytes over its 8 blocks; with 16 lanes, of the next
-    two), non-temporal, as int8dot's kernels do."""
+    two), into the caches int8dot's kernels of as many lanes prefetch into (`int8dot.prefetch_line`)."""
     share = GROUP[qtype] if qtype in _BLOCK_TYPES else GROUP[qtype] // 8
     groups = lanes // LANES
     for step in range(groups, 2 * groups):
         start = builder.add(builder.mul(row_bytes, ir.Constant(_i64, step)), builder.mul(j, ir.Constant(_i64, share)))
         for line in range(0, share, 64):
-            address = builder.gep(wptr, [builder.add(start, ir.Constant(_i64, line))])
-            call(builder, "llvm.prefetch.p0", ir.VoidType(), [address, ir.Constant(_i32, 0), ir.Constant(_i32, 0),
-                                                              ir.Constant(_i32, 1)])
+            int8dot.prefetch_line(builder, builder.gep(wptr, [builder.add(start, ir.Constant(_i64, line))]), lanes)
 
 
 def _pieces(builder: ir.IRBuilder, xptr: ir.Value, lanes: int) -> list[ir.Value]:
