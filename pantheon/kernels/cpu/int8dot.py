@@ -168,9 +168,9 @@ def _group_block_base(j: ir.Value, q4: bool, builder: ir.IRBuilder) -> ir.Value:
 # prefetcht1 / prefetcht2 (prefetcht0: 1.34-1.46), its in-cache arithmetic ~0.84 ms; inside the decode step
 # (`bench/phase_profile.py --levels 8`, alternating trees, 2 processes each) that matmul went from 4300-4800
 # to 2200-2800 k cycles a step and nothing else moved, and `bench/batch_ab.py --pairs 4 --rounds 4` gave
-# batch-8 medians 926 -> 1012 tok/s, batch 1 249 / 253. (Prefetcht2 at 8 lanes too slowed batch 1 by ~9% in
-# the one A/B it had, within this VM's noise.)
-_PREFETCH_LOCALITY = {LANES: 0, 2 * LANES: 2}
+# batch-8 medians 926 -> 1012 tok/s (batch 1 249 / 253), and again 941 -> 1100 (batch 1 281 / 289). (Prefetcht1
+# at 8 lanes too slowed batch 1 by ~9% in the one A/B it had, within this VM's noise.)
+_PREFETCH_LOCALITY = {LANES: 0, 2 * LANES: 2}  # llvm.prefetch's locality: 0 prefetchnta, 2 prefetcht1
 
 
 def prefetch_line(builder: ir.IRBuilder, address: ir.Value, lanes: int) -> None:
@@ -191,7 +191,7 @@ def _prefetch_next_group(builder: ir.IRBuilder, q4: bool, wptr: ir.Value, row_by
     steps a round). With 16 lanes (`INT8_WIDE`) the loop waits on memory at every batch size: on the 2-core
     Zen 5 VM, 8 sequences decoded in-process at 1723-1818 tok/s with the prefetch at every size against
     1374-1491 with it at one row only (3 alternating runs of 3 rounds, `bench/batched.py`'s loop); two pairs
-    ahead measured the same as one (so did two pairs ahead on Zen 4 with prefetcht2). With 8 lanes (AVX2) and
+    ahead measured the same as one (so did two pairs ahead on Zen 4 with prefetcht1). With 8 lanes (AVX2) and
     4 or 8 rows the loop is bound by its arithmetic, but inside a decode step it still waited on the weights:
     `bench/batch_ab.py --pairs 4 --rounds 4` on the 2-core Zen 3 VM (2026-12-04), batch-8 medians 613 ->
     644 tok/s (per process 585-626 -> 631-647), batch 1 unchanged (218 / 221)."""
