@@ -1,5 +1,5 @@
-"""The team's shared-out work: guided chunks cover a phase exactly once, and claims hand each piece to one
-member only, also when members race for them."""
+"""The team's shared-out work: guided chunks cover a phase exactly once, and claims (of a shared counter, or
+of each member's own part first) hand each piece to one member only, also when members race for them."""
 
 from __future__ import annotations
 
@@ -62,6 +62,38 @@ def test_racing_members_claim_every_piece_exactly_once() -> None:
         assert np.all(in_chunks == 1), "a piece of a chunked phase done twice or never"
         assert np.all(as_items == 1), "an item done twice or never"
         assert claims[1] >= total  # every member asked once more and got nothing
+
+
+@numba.njit(parallel=True, cache=False)
+def _race_in_parts(part_claims, starts, taken_by, n_threads):  # type: ignore[no-untyped-def]
+    total = starts[n_threads]
+    for t in numba.prange(n_threads):
+        while True:
+            index = team.claim_own_first(part_claims, 1, np.int64(t), n_threads, starts)
+            if index >= total:
+                break
+            taken_by[index] = taken_by[index] * 10 + t + 1  # a second taker would show as a second digit
+
+
+@pytest.mark.parametrize("parts", [[0, 0], [0, 5], [3, 0], [4, 4], [1, 7, 0, 3], [50, 2000, 1]])
+def test_parts_are_claimed_exactly_once_by_racing_members(parts: list[int]) -> None:
+    n_threads = len(parts)
+    starts = np.concatenate([[0], np.cumsum(parts)]).astype(np.int64)
+    taken_by = np.zeros(starts[-1], dtype=np.int64)
+    part_claims = team.new_part_claims(2, n_threads)
+    _race_in_parts(part_claims, starts, taken_by, n_threads)
+    assert np.all((taken_by >= 1) & (taken_by <= n_threads)), "an index taken twice or never"
+    assert not part_claims[:n_threads * team.LINE_WORDS].any(), "phase 0's counters were touched"
+
+
+def test_a_member_takes_its_own_part_in_order_then_helps_the_next() -> None:
+    """One member alone: its own part first, in order, then the other members' from t + 1 on, each in order."""
+    starts = np.array([0, 3, 5, 9], dtype=np.int64)  # member 0: 0..2, member 1: 3..4, member 2: 5..8
+    part_claims = team.new_part_claims(1, 3)
+    order = [team.claim_own_first(part_claims, 0, 1, 3, starts) for _ in range(11)]
+    assert order == [3, 4, 5, 6, 7, 8, 0, 1, 2, 9, 9]
+    # Another member now finds every part taken.
+    assert team.claim_own_first(part_claims, 0, 0, 3, starts) == 9
 
 
 @numba.extending.intrinsic

@@ -45,7 +45,8 @@ log = logging.getLogger("pantheon.kernels")
 # The matrices of a layer, in the order of `DecodePlan.qtypes` / `rows` columns.
 QKV, OUT, GATE_UP, DOWN = 0, 1, 2, 3
 # Claimed phases of a layer in `_team_layers` (its four matmuls and the attention), numbered from 5 * layer;
-# the output matmul is phase 5 * n_layers.
+# the output matmul is phase 5 * n_layers. (The attention's items are claimed part by part, from `part_claims`
+# row `layer`: its word in `claims` goes unused.)
 _PHASES = 5
 
 
@@ -152,11 +153,15 @@ def _gemm_claimed(qtype, packed, xq, xd, xs, out, claims, phase, n_threads, kv):
 
     kv = (k_pool, v_pool, slots, positions, first, end): between its chunks the member also asks for the keys
     and values of (sequence, kv head) pairs first .. end - 1 (`_prefetch_kv_pairs`), in step with the matmul's
-    progress; an empty run asks for nothing. The layers' down matmul passes the member's share of the next
-    layer's: the weights stream through every cache level during a step and evict the caches' keys and values,
-    so decode attention waited on memory for them (a lone launch at batch 8, context ~110, 2 threads: 40 us a
-    layer with its data in cache, 82 us with it evicted), and at batch 8 the down matmul is bound by its
-    arithmetic, not its weights, which leaves the memory bus room."""
+    progress; an empty run asks for nothing. The layers' down matmul passes the member's part of the next
+    layer's, and the q|k|v matmul that layer's again: the weights stream through every cache level during a
+    step and evict the caches' keys and values, so decode attention waited on memory for them (a lone launch
+    at batch 8, context ~110, 2 threads: 40 us a layer with its data in cache, 82 us with it evicted), and at
+    batch 8 those matmuls are bound by their arithmetic, not their weights, which leaves the memory bus room.
+    (The q|k|v matmul's asking, with the attention items taken by their owner first: `bench/phase_profile.py
+    --levels 8 --attention-twice` on the 2-core Zen 4 VM, 2026-12-05, two processes a tree, alternating: the
+    attention 2640-3050 k cycles a step against 3170-3360 without both, the q|k|v matmul 1700-1960 against
+    1630-1710; the owner-first claiming alone, in another such run, 2940-3115 against 3045-3283.)"""
     k_pool, v_pool, slots, positions, kv_first, kv_end = kv
     n_groups = packed.shape[0]
     min_chunk = max(2, 16 // xq.shape[0])
@@ -187,8 +192,8 @@ def _gemm_phases(q, qtype, packed, out, claims, phase, sync, t, n_threads, spin_
 
 
 @numba.njit(parallel=True, cache=True, nogil=True, error_model="numpy")
-def _team_layers(n_threads, spin_limit, sync, claims, x, h, qtypes, rows, flips, w_qkv, w_out, w_gate_up, w_down,
-                 ffn_norms, next_norms, eps, k_pools, v_pools, slots, positions, cos_table, sin_table, scale,
+def _team_layers(n_threads, spin_limit, sync, claims, part_claims, x, h, qtypes, rows, flips, w_qkv, w_out, w_gate_up,
+                 w_down, ffn_norms, next_norms, eps, k_pools, v_pools, slots, positions, cos_table, sin_table, scale,
                  first_item, per_subgroup, n_subgroups, max_splits, part_max, part_sum, part_acc, qkv, attn, o, gate_up,
                  ff, d, q_d, q_a, q_f, out_qtype, out_packed, out_flip, logits):
     """`_layers` and the output matmul in one parallel region: iteration t of the prange is member t of the team
@@ -201,19 +206,19 @@ def _team_layers(n_threads, spin_limit, sync, claims, x, h, qtypes, rows, flips,
     u = team.unowned
     for t in numba.prange(n_threads):
         # np.int64(t): one compiled `_team_member`, not two (see ops._njit_parallel).
-        _team_member(np.int64(t), n_threads, spin_limit, u(sync), u(claims), u(x), u(h), u(qtypes), u(rows),
-                     u(flips), w_qkv, w_out, w_gate_up, w_down, u(ffn_norms), u(next_norms), eps, k_pools, v_pools,
-                     u(slots), u(positions), u(cos_table), u(sin_table), scale, u(first_item), per_subgroup,
-                     n_subgroups, max_splits, u(part_max), u(part_sum), u(part_acc), u(qkv), u(attn), u(o),
-                     u(gate_up), u(ff), u(d), (u(q_d[0]), u(q_d[1]), u(q_d[2])), (u(q_a[0]), u(q_a[1]), u(q_a[2])),
+        _team_member(np.int64(t), n_threads, spin_limit, u(sync), u(claims), u(part_claims), u(x), u(h), u(qtypes),
+                     u(rows), u(flips), w_qkv, w_out, w_gate_up, w_down, u(ffn_norms), u(next_norms), eps, k_pools,
+                     v_pools, u(slots), u(positions), u(cos_table), u(sin_table), scale, u(first_item), per_subgroup,
+                     n_subgroups, max_splits, u(part_max), u(part_sum), u(part_acc), u(qkv), u(attn), u(o), u(gate_up),
+                     u(ff), u(d), (u(q_d[0]), u(q_d[1]), u(q_d[2])), (u(q_a[0]), u(q_a[1]), u(q_a[2])),
                      (u(q_f[0]), u(q_f[1]), u(q_f[2])), out_qtype, u(out_packed), out_flip, u(logits))
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
-def _team_member(t, n_threads, spin_limit, sync, claims, x, h, qtypes, rows, flips, w_qkv, w_out, w_gate_up, w_down,
-                 ffn_norms, next_norms, eps, k_pools, v_pools, slots, positions, cos_table, sin_table, scale,
-                 first_item, per_subgroup, n_subgroups, max_splits, part_max, part_sum, part_acc, qkv, attn, o, gate_up,
-                 ff, d, q_d, q_a, q_f, out_qtype, out_packed, out_flip, logits):
+def _team_member(t, n_threads, spin_limit, sync, claims, part_claims, x, h, qtypes, rows, flips, w_qkv, w_out,
+                 w_gate_up, w_down, ffn_norms, next_norms, eps, k_pools, v_pools, slots, positions, cos_table,
+                 sin_table, scale, first_item, per_subgroup, n_subgroups, max_splits, part_max, part_sum, part_acc, qkv,
+                 attn, o, gate_up, ff, d, q_d, q_a, q_f, out_qtype, out_packed, out_flip, logits):
     """Member t's part of `_team_layers`: each phase does its share (`team.span`, or what it claims:
     `_gemm_claimed`, the attention items) and a barrier separates phases that read what another wrote."""
     n_seqs = x.shape[0]
@@ -225,8 +230,15 @@ def _team_member(t, n_threads, spin_limit, sync, claims, x, h, qtypes, rows, fli
     # Every phase ends at a barrier; one that fails (the team given up) leaves the layers, and every later
     # barrier fails at once.
     u = team.unowned
-    # This member's (sequence, kv head) pairs for the down matmuls' prefetch, and the empty run for the others.
-    kv_lo, kv_hi = team.span(n_seqs * k_pools[0].shape[2], t, n_threads)
+    # The attention items are cut by sequence into one part per member (member u's: those of sequences
+    # span(n_seqs, u)), each taken by its owner first (`team.claim_own_first`); the down and q|k|v matmuls ask
+    # for the owner's keys and values ahead (`_gemm_claimed`), so that its items find them in its own caches.
+    # The empty run is for the other matmuls.
+    item_starts = np.empty(n_threads + 1, dtype=np.int64)
+    for part in range(n_threads + 1):
+        item_starts[part] = first_item[team.span(n_seqs, part, n_threads)[0] if part < n_threads else n_seqs]
+    n_kv_heads = k_pools[0].shape[2]
+    kv_lo, kv_hi = r_lo * n_kv_heads, r_hi * n_kv_heads
     no_kv = (u(k_pools[0]), u(v_pools[0]), slots, positions, kv_hi, kv_hi)
     head_dim = attn.shape[2]
     # With no sequence's keys split into runs, an item's output rows are final when it ends, and it quantizes
@@ -243,11 +255,12 @@ def _team_member(t, n_threads, spin_limit, sync, claims, x, h, qtypes, rows, fli
         # decrements the array's reference count, an atomic on a word both threads share.
         k_pool, v_pool = u(k_pools[li]), u(v_pools[li])
         w_layer = (u(w_qkv[li]), u(w_out[li]), u(w_gate_up[li]), u(w_down[li]))
+        this_kv = (k_pool, v_pool, slots, positions, kv_lo, kv_hi)
         if not _gemm_phases(q_d, qtypes[li, QKV], w_layer[QKV], qkv, claims, phase, sync, t, n_threads, spin_limit,
-                            no_kv):
+                            this_kv):
             break
         while True:  # items differ in length (each sequence its own context): claimed one by one
-            item = team.claim(claims, phase + 1)
+            item = team.claim_own_first(part_claims, li, t, n_threads, item_starts)
             if item >= n_items:
                 break
             b, h0, n_heads = ops._attention_qkv_item(item, qkv, False, cos_table, sin_table, k_pool, v_pool, slots,
@@ -326,8 +339,9 @@ def _team_step(n_threads, spin_limit, tokens, embd_qtype, embd_data, first_norm,
     logits = np.empty((n_seqs, out_rows), dtype=np.float32)
     sync = team.new_sync(n_threads)
     claims = team.new_claims(_PHASES * len(w_qkv) + 1)
-    _team_layers(n_threads, spin_limit, sync, claims, x, h, qtypes, rows, flips, w_qkv, w_out, w_gate_up, w_down,
-                 ffn_norms, next_norms, eps, k_pools, v_pools, slots, positions, cos_table, sin_table, scale,
+    part_claims = team.new_part_claims(len(w_qkv), n_threads)  # the layers' attention items
+    _team_layers(n_threads, spin_limit, sync, claims, part_claims, x, h, qtypes, rows, flips, w_qkv, w_out, w_gate_up,
+                 w_down, ffn_norms, next_norms, eps, k_pools, v_pools, slots, positions, cos_table, sin_table, scale,
                  first_item, per_subgroup, n_subgroups, max_splits, part_max, part_sum, part_acc,
                  np.empty((n_seqs, rows[0, QKV]), dtype=np.float32),
                  np.empty((n_seqs, n_q_heads, head_dim), dtype=np.float32),

@@ -154,6 +154,37 @@ def claim(claims, phase):  # type: ignore[no-untyped-def]
     return _atomic_add(claims, phase, np.int64(1))
 
 
+# int64 words of a cache line: counters that different members write each get a line of their own.
+LINE_WORDS = 8
+
+
+@numba.njit(cache=True, nogil=True)
+def new_part_claims(n_phases, n_threads):  # type: ignore[no-untyped-def]
+    """Counters for phases whose work is cut into one part per member (`claim_own_first`): one per phase and
+    member, each on a cache line of its own."""
+    return np.zeros(n_phases * n_threads * LINE_WORDS, dtype=np.int64)
+
+
+@numba.njit(cache=True, nogil=True)
+def claim_own_first(part_claims, phase, t, n_threads, starts):  # type: ignore[no-untyped-def]
+    """The next index of phase `phase`'s range(starts[n_threads]) for member t, where member u's part is
+    starts[u] .. starts[u + 1] - 1 (`new_part_claims`): the next of its own part while there is one, then the
+    next of another member's (t + 1, t + 2, ... in turn); starts[n_threads] when every index is taken. Each index
+    goes to one member only. A member's own part is the work whose memory it asked for ahead (its caches hold
+    it), and its own counter stays in its cache until another member, done with its own part, helps with it:
+    one shared counter sent every other item to the other core, and the cache line of the counter with it."""
+    for k in range(n_threads):
+        u = t + k - n_threads if t + k >= n_threads else t + k
+        lo, hi = starts[u], starts[u + 1]
+        word = np.int64((phase * n_threads + u) * LINE_WORDS)
+        if lo + _atomic_load(part_claims, word) >= hi:
+            continue  # taken already: asked without adding, so that the counter's line is not written
+        index = lo + _atomic_add(part_claims, word, np.int64(1))
+        if index < hi:
+            return index
+    return starts[n_threads]
+
+
 @numba.njit(cache=True, nogil=True)
 def guided_chunk(c, total, parts, min_chunk):  # type: ignore[no-untyped-def]
     """Chunk c of range(total) cut for `parts` members: rounds of `parts` chunks, each round's chunks together
