@@ -171,6 +171,25 @@ def test_sample_rows_gives_each_row_what_sample_gives_it() -> None:
     assert [s._counts for s in batched] == [s._counts for s in alone]
 
 
+def test_sample_rows_builds_its_operands_again_for_other_samplers_or_rows() -> None:
+    """The operands kept from the last call (`_pick_plan`) are only reused for the very same samplers at the
+    same rows: new samplers in the same places, or the same samplers on other rows, get their own bias."""
+    from pantheon.engine.sampling import sample_rows
+
+    x = np.zeros((2, V), dtype=np.float32)
+    x[:, 1] = 1.0
+    toward = [Sampler(SamplingParams(temperature=0.0, logit_bias={t: 10.0}), V) for t in (3, 4)]
+    assert [g.token_id for g in sample_rows(x.copy(), [(i, s, None) for i, s in enumerate(toward)])] == [3, 4]
+    assert [g.token_id for g in sample_rows(x.copy(), [(i, s, None) for i, s in enumerate(toward)])] == [3, 4]
+    swapped = [(1, toward[0], None), (0, toward[1], None)]
+    x[0, 2] = 20.0  # row 0 now prefers token 2 over toward[1]'s bias
+    assert [g.token_id for g in sample_rows(x.copy(), swapped)] == [3, 2]
+    plain = [Sampler(SamplingParams(temperature=0.0), V) for _ in range(2)]
+    assert [g.token_id for g in sample_rows(x.copy(), [(i, s, None) for i, s in enumerate(plain)])] == [2, 1]
+    one = [(1, toward[1], None)]
+    assert [g.token_id for g in sample_rows(x.copy(), one)] == [4]
+
+
 def test_sample_rows_argmax_ties_and_nan_as_numpy() -> None:
     from pantheon.engine.sampling import sample_rows
 
