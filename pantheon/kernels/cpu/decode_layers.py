@@ -44,10 +44,10 @@ log = logging.getLogger("pantheon.kernels")
 
 # The matrices of a layer, in the order of `DecodePlan.qtypes` / `rows` columns.
 QKV, OUT, GATE_UP, DOWN = 0, 1, 2, 3
-# Claimed phases of a layer in `_team_layers` (its four matmuls and the attention), numbered from 5 * layer;
-# the output matmul is phase 5 * n_layers. (The attention's items are claimed part by part, from `part_claims`
-# row `layer`: its word in `claims` goes unused.)
-_PHASES = 5
+# Claimed phases of a layer in `_team_layers`: its four matmuls, phase _PHASES * layer + the matrix's column
+# above; the output matmul is phase _PHASES * n_layers. (The attention's items are claimed part by part, from
+# `part_claims`, a row per layer.)
+_PHASES = 4
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
@@ -235,8 +235,8 @@ def _team_member(t, n_threads, spin_limit, sync, claims, part_claims, x, h, qtyp
     # for the owner's keys and values ahead (`_gemm_claimed`), so that its items find them in its own caches.
     # The empty run is for the other matmuls.
     item_starts = np.empty(n_threads + 1, dtype=np.int64)
-    for part in range(n_threads + 1):
-        item_starts[part] = first_item[team.span(n_seqs, part, n_threads)[0] if part < n_threads else n_seqs]
+    for part in range(n_threads + 1):  # span(n, parts, parts) starts at n: the end of the last part
+        item_starts[part] = first_item[team.span(n_seqs, part, n_threads)[0]]
     n_kv_heads = k_pools[0].shape[2]
     kv_lo, kv_hi = r_lo * n_kv_heads, r_hi * n_kv_heads
     no_kv = (u(k_pools[0]), u(v_pools[0]), slots, positions, kv_hi, kv_hi)
@@ -256,8 +256,8 @@ def _team_member(t, n_threads, spin_limit, sync, claims, part_claims, x, h, qtyp
         k_pool, v_pool = u(k_pools[li]), u(v_pools[li])
         w_layer = (u(w_qkv[li]), u(w_out[li]), u(w_gate_up[li]), u(w_down[li]))
         this_kv = (k_pool, v_pool, slots, positions, kv_lo, kv_hi)
-        if not _gemm_phases(q_d, qtypes[li, QKV], w_layer[QKV], qkv, claims, phase, sync, t, n_threads, spin_limit,
-                            this_kv):
+        if not _gemm_phases(q_d, qtypes[li, QKV], w_layer[QKV], qkv, claims, phase + QKV, sync, t, n_threads,
+                            spin_limit, this_kv):
             break
         while True:  # items differ in length (each sequence its own context): claimed one by one
             item = team.claim_own_first(part_claims, li, t, n_threads, item_starts)
@@ -275,12 +275,12 @@ def _team_member(t, n_threads, spin_limit, sync, claims, part_claims, x, h, qtyp
             if max_splits > 1:
                 ops._merge_split_rows(positions, part_max, part_sum, part_acc, attn, r_lo, r_hi)
             _quantize_rows(attn_rows, q_a[0], q_a[1], q_a[2], flips[li, OUT], r_lo, r_hi)
-        if not _gemm_phases(q_a, qtypes[li, OUT], w_layer[OUT], o, claims, phase + 2, sync, t, n_threads, spin_limit,
+        if not _gemm_phases(q_a, qtypes[li, OUT], w_layer[OUT], o, claims, phase + OUT, sync, t, n_threads, spin_limit,
                             no_kv):
             break
         _add_rmsnorm_quantize_rows(x, o, ffn_norms[li], eps, h, q_d[0], q_d[1], q_d[2], flips[li, GATE_UP], r_lo,
                                    r_hi)
-        if not _gemm_phases(q_d, qtypes[li, GATE_UP], w_layer[GATE_UP], gate_up, claims, phase + 3, sync, t,
+        if not _gemm_phases(q_d, qtypes[li, GATE_UP], w_layer[GATE_UP], gate_up, claims, phase + GATE_UP, sync, t,
                             n_threads, spin_limit, no_kv):
             break
         # The down matmul's input: the SwiGLU of gate|up, computed block by block as it is quantized.
@@ -288,7 +288,7 @@ def _team_member(t, n_threads, spin_limit, sync, claims, part_claims, x, h, qtyp
         # The down matmul asks for this member's share of the next layer's keys and values as it goes.
         next_kv = no_kv if li + 1 == len(w_qkv) else (u(k_pools[li + 1]), u(v_pools[li + 1]), slots, positions,
                                                        kv_lo, kv_hi)
-        if not _gemm_phases(q_f, qtypes[li, DOWN], w_layer[DOWN], d, claims, phase + 4, sync, t, n_threads,
+        if not _gemm_phases(q_f, qtypes[li, DOWN], w_layer[DOWN], d, claims, phase + DOWN, sync, t, n_threads,
                             spin_limit, next_kv):
             break
         _add_rmsnorm_quantize_rows(x, d, next_norms[li], eps, h, q_d[0], q_d[1], q_d[2],
