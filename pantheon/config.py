@@ -24,6 +24,11 @@ DEFAULT_MAX_SESSIONS = 4
 # memory of one slot (SmolLM2: 8192 tokens x 46 KiB of f32 KV = 368 MiB).
 DEFAULT_CTX_CAP = 8192
 MAX_MODEL_DIES = 8
+# PANTHEON_STREAM_INTERVAL_MS's default (see `Scheduler._decode_chain`). 30 ms against 10, over HTTP on the 2-core
+# Zen 4 VM (2026-12-05, `bench/http_ab.py --pairs 30`, 128 tokens a stream): single-stream decode +5.0% (the new
+# value ahead in 26 of 30 pairs), 8 streams +2.8% (22 of 30); 60 ms against 30 gave +2.7% / +1.1% more, at
+# twice the wait, and was not taken. At ~4 ms a token a stream then gets ~8 tokens a write, ~33 writes a second.
+STREAM_INTERVAL_MS = 30.0
 
 
 def _int_env(environ: Mapping[str, str], name: str, default: int) -> int:
@@ -73,7 +78,7 @@ class EnvKnobs:
     cpu_int8: bool = True
     # PANTHEON_STREAM_INTERVAL_MS: a decode run hands its tokens to the event loop (and each stream's socket)
     # at most this often, several steps at a time; 0 = after every step. The first token is never held.
-    stream_interval_ms: float = 10.0
+    stream_interval_ms: float = STREAM_INTERVAL_MS
 
     @property
     def default_model_path(self) -> Path:
@@ -120,7 +125,7 @@ def read_env(environ: Mapping[str, str] | None = None) -> EnvKnobs:
         meminfo_path=Path(env.get("PN_MEMINFO_PATH") or "/proc/meminfo"),
         host_budget_bytes=max(0, _int_env(env, "PN_HOST_BUDGET_BYTES", 0)),
         cpu_int8=_flag_env(env, "PANTHEON_CPU_INT8") is not False,
-        stream_interval_ms=max(0.0, _float_env(env, "PANTHEON_STREAM_INTERVAL_MS", 10.0)),
+        stream_interval_ms=max(0.0, _float_env(env, "PANTHEON_STREAM_INTERVAL_MS", STREAM_INTERVAL_MS)),
     )
 
 

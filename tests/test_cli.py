@@ -46,8 +46,8 @@ def test_cpu_int8_is_the_default_and_zero_selects_float() -> None:
         assert read_env({"PANTHEON_CPU_INT8": off}).cpu_int8 is False, off
 
 
-def test_stream_interval_defaults_to_10_ms_and_reads_the_env() -> None:
-    assert read_env({}).stream_interval_ms == 10.0
+def test_stream_interval_defaults_to_30_ms_and_reads_the_env() -> None:
+    assert read_env({}).stream_interval_ms == 30.0
     assert read_env({"PANTHEON_STREAM_INTERVAL_MS": "0"}).stream_interval_ms == 0.0
     assert read_env({"PANTHEON_STREAM_INTERVAL_MS": "2.5"}).stream_interval_ms == 2.5
     assert read_env({"PANTHEON_STREAM_INTERVAL_MS": "-3"}).stream_interval_ms == 0.0
