@@ -11,7 +11,9 @@ Server A runs the checkout `--a-tree` with the environment variables `--a-env`, 
 and take turns: a pair is, for every level, one round of that many greedy streams on each server (the order A B
 or B A flips from one pair to the next), read by `bench/sse_client.py`, each round's figure the aggregate decode
 rate over the window where all its streams decode (`bench.concurrency.run_level`). The idle server costs the
-other nothing measurable (it waits in epoll).
+other nothing measurable (it waits in epoll), unless its environment keeps threads busy: with
+`OMP_WAIT_POLICY=ACTIVE` a server's OpenMP workers spin while it is idle, and the other one decoded at a third
+of its speed.
 
 Why pairs, and many: these 2-core VMs drift by 10-30% over minutes, more than most changes move, while two
 rounds a few seconds apart see the same machine. The comparison is the median of the per-pair ratios B / A
