@@ -25,9 +25,10 @@ DEFAULT_MAX_SESSIONS = 4
 DEFAULT_CTX_CAP = 8192
 MAX_MODEL_DIES = 8
 # PANTHEON_STREAM_INTERVAL_MS's default (see `Scheduler._decode_chain`). 30 ms against 10, over HTTP on the 2-core
-# Zen 4 VM (2026-12-05, `bench/http_ab.py --pairs 30`, 128 tokens a stream): single-stream decode +5.0% (the new
-# value ahead in 26 of 30 pairs), 8 streams +2.8% (22 of 30); 60 ms against 30 gave +2.7% / +1.1% more, at
-# twice the wait, and was not taken. At ~4 ms a token a stream then gets ~8 tokens a write, ~33 writes a second.
+# Zen 4 VM (2026-12-05, `bench/http_ab.py --pairs 30`, 128 tokens a stream, two runs): single-stream decode +5.0%
+# and +2.6% (the new value ahead in 26 and 22 of 30 pairs), 8 streams +2.8% and +1.5% (22 and 19 of 30); 60 ms
+# against 30 gave +2.7% / +1.1% more, at twice the wait, and was not taken. At ~4 ms a token a stream then gets
+# ~8 tokens a write, ~33 writes a second.
 STREAM_INTERVAL_MS = 30.0
 
 
