@@ -1,8 +1,8 @@
 """Aggregate decode throughput and time to first token at 1, 2, 4 and 8 concurrent streams, over HTTP against
-a real `pantheon serve` on the default model; beside them the same levels decoded in-process by Pantheon
+a real `pantheon serve` on the default model (or `--model`); beside them the same levels decoded in-process by Pantheon
 and by llama.cpp; and single-stream HTTP decode vs in-process decode.
 
-    .venv/bin/python bench/concurrency.py [--levels 1,2,4,8] [--tokens 128] [--runs 3] [--threads 0]
+    .venv/bin/python bench/concurrency.py [--levels 1,2,4,8] [--tokens 128] [--runs 3] [--threads 0] [--model FILE.gguf]
 
 The levels are measured in rounds (1, 2, 4, 8, then again), so every level sees the same drift of the machine's
 speed; the table shows medians over the rounds, and the ratio to 1 stream is also given round by round.
@@ -121,10 +121,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="server and in-process threads (0 = all cores)")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="HTTP streams' temperature (0 = greedy; > 0 samples with the server's top_k 40 / top_p 0.95)")
+    ap.add_argument("--model", type=Path, help="another GGUF file (default: the default model)")
     args = ap.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
     threads = args.threads or len(os.sched_getaffinity(0))
-    path = default_model()
+    path = args.model or default_model()
     load_before = os.getloadavg()
 
     decoder = PantheonBatched(path, threads)
@@ -189,7 +190,7 @@ def main() -> None:
     def rate(table: dict[int, dict[str, Any]], n: int) -> float:
         return table[n]["decode_tok_s"] if n in table else nan
 
-    print(f"SmolLM2-135M-Instruct Q4_1, {threads} threads, {args.tokens} tokens per stream, temperature "
+    print(f"{path.name}, {threads} threads, {args.tokens} tokens per stream, temperature "
           f"{args.temperature:g}, median of {args.runs} rounds; "
           f"load average {load_before[0]:.1f} before, {load_after[0]:.1f} after")
     print("aggregate decode tok/s (x 1 stream: the median of the per-round ratios); HTTP: pantheon serve, the "
@@ -211,7 +212,8 @@ def main() -> None:
     print(f"single stream decode: HTTP {rows[0]['aggregate_decode_tok_s']:.1f} tok/s, in-process "
           f"{rate(in_rows, levels[0]):.1f} tok/s (medians); HTTP / in-process round by round: "
           f"{' '.join(f'{x:.2f}' for x in http_ratio)} (median {ratio:.2f})")
-    out = write_result("concurrency", {"args": vars(args), "threads": threads, "load_avg_before": load_before,
+    out = write_result("concurrency", {"args": {**vars(args), "model": str(path)}, "threads": threads,
+                                       "load_avg_before": load_before,
                                        "load_avg_after": load_after, "levels": rows,
                                        "in_process_levels": in_rows, "llama_cpp_levels": ll_rows or None,
                                        "http_vs_in_process": ratio, "http_vs_in_process_rounds": http_ratio})
