@@ -46,6 +46,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.batched import LlamaCppProcess, PantheonBatched  # noqa: E402
 from bench.common import default_model, write_result  # noqa: E402
 from bench.sse_client import stream_chat_completions  # noqa: E402
+from pantheon.config import read_env  # noqa: E402
+from pantheon.io.gguf_file import open_gguf  # noqa: E402
+from pantheon.io.tokenizer import Tokenizer  # noqa: E402
 from tests.server_process import ServerProcess  # noqa: E402
 
 PROMPTS = [
@@ -58,19 +61,13 @@ PROMPTS = [
     "Write a short essay about the importance of sleep.",
     "Explain why the seasons change during the year.",
 ]
-END_TOKENS = ("<|im_end|>", "<|endoftext|>")
 
 
 def end_token_ids(path: Path) -> list[int]:
-    import gguf
-
-    reader = gguf.GGUFReader(str(path))
-    f = reader.fields["tokenizer.ggml.tokens"]
-    ids = []
-    for token_id, i in enumerate(f.data):
-        if bytes(f.parts[i]).decode("utf-8", "replace") in END_TOKENS:
-            ids.append(token_id)
-    return ids
+    """The ids a turn of the model at `path` ends on: its tokenizer's end-of-generation set, the one the server
+    stops on (`Tokenizer.stop_ids`), so that forbidding them makes every stream decode --tokens tokens whatever
+    the model names its end tokens."""
+    return sorted(Tokenizer.from_gguf_metadata(open_gguf(path, read_env().cache_dir).metadata).stop_ids)
 
 
 def run_level(server: ServerProcess, n: int, tokens: int, bias: dict[str, float], temperature: float = 0.0
@@ -136,7 +133,7 @@ def main() -> None:
     inproc: dict[int, list[dict[str, float]]] = {n: [] for n in levels}
     llama: dict[int, list[dict[str, float]]] = {n: [] for n in levels}
 
-    bias = {str(t): -100 for t in end_token_ids(path)}
+    bias = {str(t): -100 for t in decoder.end_ids}  # the server's end tokens, as end_token_ids
     log = Path(tempfile.mkdtemp(prefix="bench-concurrency-")) / "serve.log"
     server = ServerProcess(["--model", f"{path}:bench", "--max-concurrent", str(max(levels)),
                             "--threads", str(threads), "--ctx-cap", "2048"], log_path=log).start()

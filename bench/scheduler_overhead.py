@@ -25,7 +25,7 @@ import numpy as np  # noqa: E402
 import trio  # noqa: E402
 
 from bench.common import default_model, write_result  # noqa: E402
-from bench.concurrency import PROMPTS, end_token_ids  # noqa: E402
+from bench.concurrency import PROMPTS  # noqa: E402
 from pantheon.cli import GIL_SWITCH_INTERVAL_S  # noqa: E402
 from pantheon.config import ModelOptions, read_env  # noqa: E402
 from pantheon.engine.loader import load_served_model  # noqa: E402
@@ -50,7 +50,7 @@ def main() -> None:
     served = trio.run(forward.run, lambda: load_served_model(ModelOptions(path=path, name="bench"), env,
                                                              CpuBackend(args.threads, int8=env.cpu_int8)))
     model, tokenizer = served.model, served.tokenizer
-    ends = end_token_ids(path)
+    ends = sorted(tokenizer.stop_ids)  # the end tokens the server stops on, forbidden below
     prompts = [np.array(tokenizer.encode(served.template.render([{"role": "user", "content": p}],
                                                                 add_generation_prompt=True, extra={}),
                                          parse_special=True), np.int32) for p in PROMPTS]
