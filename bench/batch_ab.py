@@ -1,6 +1,6 @@
 """A/B of checkouts on the in-process batch-8 / batch-1 decode ratio, in alternating processes.
 
-    .venv/bin/python bench/batch_ab.py OLD_TREE NEW_TREE [--pairs 5] [--rounds 6] [--tokens 128]
+    .venv/bin/python bench/batch_ab.py OLD_TREE NEW_TREE [--pairs 5] [--rounds 6] [--tokens 128] [--model FILE.gguf]
     git worktree add /tmp/old HEAD~1 && .venv/bin/python bench/batch_ab.py /tmp/old .
 
 Each tree (a checkout of this repository) runs in its own process, one after the other, `--pairs` times; the
@@ -29,7 +29,7 @@ sys.path.insert(0, sys.argv[1])
 from bench.batched import PantheonBatched
 from bench.common import default_model
 from bench.concurrency import PROMPTS
-decoder = PantheonBatched(default_model(), 2)
+decoder = PantheonBatched(default_model() if sys.argv[4] == "-" else sys.argv[4], 2)
 prompts = [decoder.prompt_ids(PROMPTS[i % len(PROMPTS)]) for i in range(8)]
 decoder.run(prompts[:1], 8)
 decoder.run(prompts, 8)
@@ -42,9 +42,9 @@ print("ROWS " + json.dumps(rows))
 """
 
 
-def _rounds(tree: Path, rounds: int, tokens: int) -> list[tuple[float, float]]:
-    done = subprocess.run([sys.executable, "-c", _CHILD, str(tree), str(rounds), str(tokens)], capture_output=True,
-                          text=True, check=True)
+def _rounds(tree: Path, rounds: int, tokens: int, model: Path | None) -> list[tuple[float, float]]:
+    done = subprocess.run([sys.executable, "-c", _CHILD, str(tree), str(rounds), str(tokens), str(model or "-")],
+                          capture_output=True, text=True, check=True)
     line = next(row for row in done.stdout.splitlines() if row.startswith("ROWS "))
     return [tuple(pair) for pair in json.loads(line[5:])]
 
@@ -60,6 +60,7 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=5, help="processes per tree, alternating")
     ap.add_argument("--rounds", type=int, default=6, help="rounds per process")
     ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--model", type=Path, help="another GGUF file (default: the default model)")
     args = ap.parse_args()
     runs: dict[Path, list[list[tuple[float, float]]]] = {tree: [] for tree in args.trees}
     # The trees' order flips from one pair to the next (A B, B A, ...): on the 2-core Zen 3 VM (2026-12-04) the
@@ -67,8 +68,9 @@ def main() -> None:
     # and a phase profile then showed the change did nothing: the second process of a pair had run faster.
     for i in range(args.pairs):
         for tree in args.trees if i % 2 == 0 else args.trees[::-1]:
-            runs[tree].append(_rounds(tree.resolve(), args.rounds, args.tokens))
-    print(f"{args.pairs} processes x {args.rounds} rounds per tree, {args.tokens} tokens, 1 and 8 streams, 2 threads")
+            runs[tree].append(_rounds(tree.resolve(), args.rounds, args.tokens, args.model))
+    print(f"{args.pairs} processes x {args.rounds} rounds per tree, {args.tokens} tokens, 1 and 8 streams, 2 threads"
+          + (f", {args.model.name}" if args.model else ""))
     print(f"{'tree':30} {'B1 med':>7} {'B1 p90':>7} {'B8 med':>7} {'B8 p90':>7} {'B8/B1 med':>9}  B8 per process")
     for tree, procs in runs.items():
         rows = [row for proc in procs for row in proc]

@@ -1,6 +1,7 @@
 """Where the compiled decode step's time goes, phase by phase: cycles per step of each team member.
 
     .venv/bin/python bench/phase_profile.py [--levels 1,8] [--rounds 3] [--tokens 64] [--attention-twice]
+                                            [--model FILE.gguf]
 
 `bench/step_profile.py` times backend ops, but the default model's decode step is one compiled call
 (kernels/cpu/decode_layers.py: one team of threads, barriers between phases), so it shows as one op. This bench
@@ -55,7 +56,7 @@ def cycle_count():
 # (old, new) in decode_layers's source: prof passed from _team_step through _team_layers to _team_member.
 _SIGNATURES = [
     ("out_flip, logits):\n    \"\"\"`_layers` and", "out_flip, logits, prof):\n    \"\"\"`_layers` and"),
-    ("out_qtype, u(out_packed), out_flip, u(logits))", "out_qtype, u(out_packed), out_flip, u(logits), prof)"),
+    ("out_flip,\n                     u(logits))", "out_flip,\n                     u(logits), prof)"),
     ("out_flip, logits):\n    \"\"\"Member t's", "out_flip, logits, prof):\n    \"\"\"Member t's"),
     ("out_qtype, out_packed, out_flip, logits)\n    return logits,",
      "out_qtype, out_packed, out_flip, logits, prof)\n    return logits,"),
@@ -68,11 +69,11 @@ _BOUNDARIES = [
     (" " * 8, "while True:  # items differ", 1),
     (" " * 8, "if not items_quantize:  # a member", 2),
     (" " * 8, "_add_rmsnorm_quantize_rows(x, o,", 3),
-    (" " * 8, "if not _gemm_phases(q_d, qtypes[li, GATE_UP]", 4),
+    (" " * 8, "if not _layer_matmuls(kernels, q_d, li, GATE,", 4),
     (" " * 8, "_swiglu_quantize_span(", 5),
     (" " * 8, "# The down matmul asks", 6),
     (" " * 8, "_add_rmsnorm_quantize_rows(x, d,", 7),
-    (" " * 4, "_gemm_phases(q_d, out_qtype", 8),
+    (" " * 4, "_gemm_phases(kernels, q_d, out_qtype", 8),
 ]
 
 
@@ -96,7 +97,7 @@ def instrumented_source(source: str, attention_twice: bool) -> str:
     head, body = s[:member], s[member:]
     end = body.index("\n@numba.njit")
     body, tail = body[:end], body[end:]
-    first = body.index("    _quantize_rows(h, q_d[0]")
+    first = body.index("    _quantize_rows(h, q_d,")
     first_end = body.index("\n", first) + 1
     body = body[:first] + "    _last = _cycles()\n" + body[first:first_end] + _tick("    ", 0) + body[first_end:]
     for indent, statement, phase in _BOUNDARIES:  # the phase that ends where the statement starts
@@ -132,6 +133,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64, help="decode steps timed per round")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--attention-twice", action="store_true")
+    ap.add_argument("--model", type=Path, help="another GGUF file (default: the default model); one the compiled "
+                    "whole step serves")
     args = ap.parse_args()
 
     from bench.batched import PantheonBatched
@@ -148,7 +151,7 @@ def main() -> None:
 
     # decode_step stays as it is (its arguments, team size and fallback); only the team it runs is the copy.
     decode_layers._team_step = lambda *step_args: phases._team_step(*step_args, prof)
-    engine = PantheonBatched(default_model(), args.threads)
+    engine = PantheonBatched(args.model or default_model(), args.threads)
     prompts = [engine.prompt_ids(p) for p in PROMPTS]
     print(f"{args.threads} threads, {args.tokens} steps a round, prompts of {min(map(len, prompts))}-"
           f"{max(map(len, prompts))} tokens; time-stamp counter {tsc_hz / 1e9:.2f} GHz; per phase, k cycles a step "

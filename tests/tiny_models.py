@@ -11,6 +11,11 @@ import numpy as np
 
 from pantheon.config import read_env
 from pantheon.io.gguf_file import open_gguf
+from pantheon.kernels.reference.quant import random_weight_bytes
+
+_Q = gguf.GGMLQuantizationType
+# The types gguf's own quantizer writes.
+_QUANTIZABLE = frozenset({_Q.Q4_0, _Q.Q4_1, _Q.Q5_0, _Q.Q5_1, _Q.Q8_0})
 
 TOKENIZER_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type",
                   "tokenizer.ggml.merges", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id",
@@ -37,7 +42,10 @@ def _add_metadata(w: gguf.GGUFWriter, meta: dict[str, Any]) -> None:
 
 def write_tiny_llama(path: Path, *, seed: int = 0, n_layers: int = 2, d: int = 64, heads: int = 4, kv_heads: int = 2,
                      ffn: int = 128, ctx: int = 512, qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
-                     name: str = "tiny") -> Path:
+                     name: str = "tiny", types: dict[str, int] | None = None) -> Path:
+    """types: a tensor name's type where it is not qtype (e.g. {"blk.0.attn_v.weight": Q6_K}). Types that gguf
+    cannot quantize (the K-quants, IQ4) get random bytes of that type (`random_weight_bytes`: every packed field's
+    bit patterns, scales of magnitude 1e-3..1e-1) in place of the matrix's values."""
     meta = default_tokenizer_metadata()
     vocab = len(meta["tokenizer.ggml.tokens"])
     rng = np.random.default_rng(seed)
@@ -59,12 +67,15 @@ def write_tiny_llama(path: Path, *, seed: int = 0, n_layers: int = 2, d: int = 6
         return (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32)
 
     def add(name_: str, array: np.ndarray) -> None:
-        if qtype == gguf.GGMLQuantizationType.F32 or array.ndim == 1:
+        kind = gguf.GGMLQuantizationType((types or {}).get(name_, qtype))
+        if kind == gguf.GGMLQuantizationType.F32 or array.ndim == 1:
             w.add_tensor(name_, array)
-        elif qtype == gguf.GGMLQuantizationType.F16:
+        elif kind == gguf.GGMLQuantizationType.F16:
             w.add_tensor(name_, array.astype(np.float16))
+        elif kind in _QUANTIZABLE:
+            w.add_tensor(name_, gguf.quants.quantize(array, kind), raw_dtype=kind)
         else:
-            w.add_tensor(name_, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+            w.add_tensor(name_, random_weight_bytes(kind, *array.shape, rng), raw_dtype=kind)
 
     add("token_embd.weight", matrix(vocab, d))
     add("output_norm.weight", (1 + 0.1 * rng.standard_normal(d)).astype(np.float32))

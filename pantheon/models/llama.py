@@ -300,7 +300,7 @@ class LlamaModel:
         token_slots = be.upload(np.repeat(np.array([r.slot for r in batch], dtype=np.int32), lengths))
         # The layers alone in one call where the backend has that (the cpu backend; the cuda one runs only whole
         # steps, taken above).
-        plan = plan if decode_only and hasattr(be, "decode_layers") else None
+        plan = plan if decode_only and hasattr(be, "decode_layers") and plan is not None and plan.layers_path else None
         return lambda: self._compute(state, batch, plan, tokens, positions, token_slots, offsets)
 
     def _prepared_decode_step(self, state: KVState, batch: list[BatchRow], plan: Any) -> Callable[[], np.ndarray]:
@@ -339,10 +339,13 @@ class LlamaModel:
                 x, h, positions, token_slots = self.backend.hand_over((x, h, positions, token_slots), here, be)
                 here = be
             k_pool, v_pool = state.k[li], state.v[li]
-            if decode_only and blk.w_qkv is not None and self._fused_decode:
-                # Rotation, cache writes and attention of the whole batch in one launch.
-                attn = be.attention_decode_qkv(be.matmul(blk.w_qkv, h), c.n_heads, k_pool, v_pool, token_slots,
-                                               positions, c.rope_dim, c.rope_base, False, scale, c.rope_scale)
+            if decode_only and self._fused_decode and (blk.w_qkv is not None or hasattr(be, "concat_cols")):
+                # Rotation, cache writes and attention of the whole batch in one launch; q, k and v of different
+                # types side by side first (what the compiled step's q|k|v phase writes).
+                qkv = (be.matmul(blk.w_qkv, h) if blk.w_qkv is not None
+                       else be.concat_cols([be.matmul(w, h) for w in (blk.wq, blk.wk, blk.wv)]))
+                attn = be.attention_decode_qkv(qkv, c.n_heads, k_pool, v_pool, token_slots, positions, c.rope_dim,
+                                               c.rope_base, False, scale, c.rope_scale)
             else:
                 q = self._rotated_queries(be, blk, h, k_pool, v_pool, token_slots, positions, n_tok)
                 if decode_only:

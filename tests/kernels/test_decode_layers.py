@@ -10,6 +10,7 @@ import pytest
 
 from pantheon.io.gguf_file import open_gguf
 from pantheon.kernels.cpu import int8dot
+from pantheon.kernels.cpu.decode_layers import K, UP
 from pantheon.kernels.cpu.backend import CpuBackend
 from pantheon.models.base import BatchRow
 from pantheon.models.registry import load_model
@@ -68,6 +69,95 @@ def test_compiled_decode_gives_the_bits_of_the_python_loop(tmp_path, qtype, head
         tokens = [int(np.argmax(row)) for row in compiled]
     for a, b in zip(states[0].k + states[0].v, states[1].k + states[1].v):
         np.testing.assert_array_equal(a, b)
+
+
+# A llama of the mixes llama.cpp's K-quant files have (mixes per layer, like Q4_K_M's attn_v and ffn_down), every
+# int8k kernel type among them: layer 0 q and k Q4_K beside a Q6_K v (apart), gate|up stacked; layer 1 a Q8_0 v
+# beside Q5_0 (the other flip in one phase) and gate IQ4_XS apart from up Q4_K; layer 2 q|k|v stacked Q5_1, an
+# IQ4_NL out. Downs Q6_K, Q3_K, Q5_K; the embedding, tied, Q6_K (the output matmul's halves' sums from the last
+# norm's input).
+K_MIX = {
+    "blk.0.attn_q.weight": Q.Q4_K, "blk.0.attn_k.weight": Q.Q4_K, "blk.0.attn_v.weight": Q.Q6_K,
+    "blk.0.attn_output.weight": Q.Q5_K, "blk.0.ffn_gate.weight": Q.Q4_K, "blk.0.ffn_up.weight": Q.Q4_K,
+    "blk.0.ffn_down.weight": Q.Q6_K,
+    "blk.1.attn_q.weight": Q.Q5_0, "blk.1.attn_k.weight": Q.Q5_0, "blk.1.attn_v.weight": Q.Q8_0,
+    "blk.1.attn_output.weight": Q.IQ4_XS, "blk.1.ffn_gate.weight": Q.IQ4_XS, "blk.1.ffn_up.weight": Q.Q4_K,
+    "blk.1.ffn_down.weight": Q.Q3_K,
+    "blk.2.attn_q.weight": Q.Q5_1, "blk.2.attn_k.weight": Q.Q5_1, "blk.2.attn_v.weight": Q.Q5_1,
+    "blk.2.attn_output.weight": Q.IQ4_NL, "blk.2.ffn_gate.weight": Q.Q4_K, "blk.2.ffn_up.weight": Q.Q4_K,
+    "blk.2.ffn_down.weight": Q.Q5_K,
+    "token_embd.weight": Q.Q6_K,  # tied: the output matrix too
+}
+
+
+def k_mix(tmp_path: Path):
+    """A 3-layer llama of the K_MIX types (D 256, FFN 256: whole 256-value superblocks), loaded afresh."""
+    key = ("k_mix",)
+    if key not in _WRITTEN or not _WRITTEN[key].exists():
+        _WRITTEN[key] = write_tiny_llama(tmp_path / "tiny-k-mix.gguf", n_layers=3, d=256, heads=4, kv_heads=2,
+                                         ffn=256, ctx=2048, qtype=Q.Q8_0, types=K_MIX)
+    return load_model(open_gguf(_WRITTEN[key], None), CpuBackend(2, int8=True))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("starts", [[7], [3, 530, 40, 90]])
+def test_a_k_quant_mix_runs_compiled_with_the_bits_of_the_python_loop(tmp_path, starts) -> None:
+    """A model of K-quant and 5-bit matrices, types mixed within a layer, takes the compiled whole step (int8k's
+    kernels dispatched per matrix, q / k / v and gate / up apart where their types differ) and gives the logits
+    and caches of the Python loop, bit for bit, over several steps; with a team of two and of one alike."""
+    from pantheon.kernels.cpu import decode_layers as dl
+    from pantheon.kernels.cpu import team
+
+    model = k_mix(tmp_path)
+    plan, c = model._decode_plan, model.config
+    assert plan is not None and plan.ends is not None and plan.kernels is not None and not plan.layers_path
+    assert plan.rows[0, K] > 0 and plan.rows[1, UP] > 0 and plan.rows[2, K] == 0  # apart, apart, stacked
+    assert plan.extras[dl.EXTRA_OTHER] == (int8dot.INT8_ISA == "vnni")  # Q8_0's flip beside Q5_0
+    rng = np.random.default_rng(len(starts))
+    states = [model.new_state(6, 1200) for _ in range(3)]
+    slots = rng.permutation(6)[: len(starts)]
+    prompts = [rng.integers(0, 500, start).astype(np.int32) for start in starts]
+    for state in states:
+        for slot, prompt in zip(slots, prompts):
+            model.forward(state, [BatchRow(int(slot), prompt, 0)])
+    tokens = [3] * len(starts)
+    for step in range(4):
+        rows = [BatchRow(int(slot), np.array([t], np.int32), start + step)
+                for slot, start, t in zip(slots, starts, tokens)]
+        model._decode_plan = plan
+        compiled = model.forward(states[0], rows)
+        args = dl.step_args(plan, np.array(tokens), c.rms_eps, dl.kernel_pools(states[2].k),
+                            dl.kernel_pools(states[2].v), slots.astype(np.int32),
+                            np.array(starts, dtype=np.int32) + step, c.n_heads, c.rope_dim, c.rope_base, c.rope_scale,
+                            1 / np.sqrt(c.head_dim))
+        alone, completed = dl._team_step(1, team.SPIN_LIMIT, *args)
+        assert completed
+        model._decode_plan = None
+        python = model.forward(states[1], rows)
+        assert np.isfinite(python).all()
+        np.testing.assert_array_equal(compiled, python)
+        np.testing.assert_array_equal(alone[:, : c.vocab_size], python)
+        tokens = [int(np.argmax(row)) for row in compiled]
+    for a, b, d in zip(states[0].k + states[0].v, states[1].k + states[1].v, states[2].k + states[2].v):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(d, b)
+
+
+def test_a_k_quant_plan_without_its_ends_is_not_made(tmp_path) -> None:
+    """The layers-only path runs int8dot's stacked plans; a K-quant model whose output matrix the step cannot take
+    (float here) keeps the Python loop."""
+    from pantheon.kernels.cpu import decode_layers as dl
+
+    model = k_mix(tmp_path)
+    assert dl.build_plan(model.blocks, model.output_norm, model.config.head_dim, True, model.tok_embd,
+                         None) is None
+    plan = model._decode_plan
+    plan_ends, plan.ends = plan.ends, None
+    try:
+        with pytest.raises(ValueError):
+            dl.decode_layers(plan, *([None] * 12), 2)
+    finally:
+        plan.ends = plan_ends
 
 
 def test_models_the_compiled_path_does_not_serve_keep_the_python_loop(tmp_path) -> None:
@@ -223,24 +313,31 @@ def test_swiglu_fused_into_the_quantization_gives_the_bits_of_the_two_phases(n_r
     """The team's SwiGLU is computed block by block by the member that quantizes the block for the down matmul
     (`_swiglu_quantize_span`): for any team size (spans that cut a row in the middle, members with nothing),
     the members' parts together give the SwiGLU rows and the quantized blocks of the SwiGLU then
-    `quantize_rows`, bit for bit, and every block is written by one member only."""
-    from pantheon.kernels.cpu import decode_layers, ops
+    `quantize_rows`, bit for bit, and every block is written by one member only. With room for the extras
+    (`_block_extras`), each block's bytes of the other flip and its halves' sums are the ones `quantize_rows`
+    with that flip and `int8k._half_sums` give."""
+    from pantheon.kernels.cpu import decode_layers, int8k, ops
 
     ffn = 160  # 5 blocks a row: most team sizes cut rows
     rng = np.random.default_rng(n_rows)
     gate_up = (rng.standard_normal((n_rows, 2 * ffn)) * 3).astype(np.float32)
     want_ff = ops.swiglu_stacked(gate_up)
-    for flip in (0, -128):
+    for flip, extras in ((0, False), (-128, False), (0, True), (-128, True)):
         want = int8dot._quantize(want_ff, np.int32(flip))
+        want_other = int8dot._quantize(want_ff, np.int32(-128 - flip))[0]
+        want_halves = int8k._half_sums(int8dot._quantize(want_ff, np.int32(0))[0])
         for parts in (1, 2, 3, 7, 2 * n_rows * ffn // int8dot.QK + 1):
             ff = np.full((n_rows, ffn), np.nan, dtype=np.float32)
             xq = np.zeros_like(want[0])
             xd = np.full_like(want[1], np.nan)
             xs = np.full_like(want[2], np.nan)
+            other = np.zeros((n_rows, ffn if extras else 0), dtype=np.int8)
+            halves = np.full((n_rows, ffn // 16 if extras else 0), np.nan, dtype=np.float32)
             written = 0
             for part in range(parts):
                 mine = np.full_like(xd, np.nan)
-                decode_layers._swiglu_quantize_span(gate_up, ff, xq, mine, xs, np.int32(flip), part, parts)
+                decode_layers._swiglu_quantize_span(gate_up, ff, (xq, mine, xs, other, halves), np.int32(flip), part,
+                                                    parts)
                 assert np.isnan(xd[~np.isnan(mine)]).all()  # no block another member wrote
                 xd = np.where(np.isnan(mine), xd, mine)
                 written += int((~np.isnan(mine)).sum())
@@ -248,3 +345,6 @@ def test_swiglu_fused_into_the_quantization_gives_the_bits_of_the_two_phases(n_r
             np.testing.assert_array_equal(ff, want_ff)
             for got, expected in zip((xq, xd, xs), want):
                 np.testing.assert_array_equal(got, expected)
+            if extras:
+                np.testing.assert_array_equal(other, want_other)
+                np.testing.assert_array_equal(halves, want_halves)

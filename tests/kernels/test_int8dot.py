@@ -210,7 +210,7 @@ def test_the_eight_row_block_loop_is_dot_instructions_in_registers(qtype: int) -
     x = activations(8, 96)
     xq, xd, xs = int8dot.quantize_rows(x, offset=int8dot._offset_q8_0(int8dot.INT8_ISA) and qtype == Q8_0)
     out = np.zeros((8, 16), dtype=np.float32)
-    probe(int8dot.INT8_WIDE, qtype, w.int8_packed, 0, xq, xd, xs, out)
+    probe(int8dot.INT8_WIDE, qtype, w.int8_packed, 0, xq, xd, xs, out, 0)
     n = 16 if int8dot.INT8_WIDE else 8  # the outputs of group 0 (and 1 on the 16-lane kernels)
     np.testing.assert_allclose(out[:, :n], quant.matmul(w, x, int8=True)[:, :n], rtol=1e-6, atol=1e-6)
     asm = probe.inspect_asm(probe.signatures[0])

@@ -133,6 +133,11 @@ class CpuBackend:
         return out
 
     @staticmethod
+    def concat_cols(parts: list[np.ndarray]) -> np.ndarray:
+        """The parts (T, w_i) side by side: (T, sum(w_i)), contiguous."""
+        return np.concatenate(parts, axis=1)
+
+    @staticmethod
     def gather_rows(x: np.ndarray, rows: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(x[rows])
 

@@ -21,33 +21,46 @@ tree): batch-8 medians 968 -> 1025 and 1084 -> 1126 tok/s, batch 1 unchanged wit
 step, three processes each: batch-8 attention 2.28, 1.84 and 1.77 ms a step against 2.20, 2.34 and 2.23
 without, the down matmul 0.1-0.35 ms longer.)
 
-Only the shape of model that the int8 path serves whole takes it: every layer's q|k|v and gate|up stacked,
-all four matrices Q4_1 or Q8_0 (`int8dot.INT8_TYPES`) on a CPU with the int8 kernels, a head dim that is a
-multiple of 16 (the attention intrinsics). Anything else keeps the Python loop. When the embedding is
-quantized and the output matrix is an int8-path type too (the default model), `decode_step` also takes
-the embedding rows, the first norm and the output matmul: token ids in, logits out, one GIL round trip.
+It serves the llama models whose matrices all have int8 kernels, on a CPU that has them, with a head dim that is
+a multiple of 16 (the attention intrinsics); anything else keeps the Python loop. When the embedding is
+quantized and the output matrix has int8 kernels too (the default model), `decode_step` also takes the
+embedding rows, the first norm and the output matmul: token ids in, logits out, one GIL round trip. Models of
+int8dot's types (Q4_0, Q4_1, Q8_0) with q|k|v and gate|up stacked at load also run their layers alone this way
+(`decode_layers`, when the ends are not taken). The K-quant, 5-bit and IQ4 types (`int8k`: most files people
+download, Q4_K_M / Q5_K_M) run as whole steps only, each matrix on its own type's kernels (`_matrix_groups`),
+and their mixes within a layer (Q4_K_M's Q6_K attn_v beside Q4_K q and k, SmolLM2's Q8_0 attn_v beside Q5_0)
+keep q, k and v apart, each written into its columns of one q|k|v output: the attention then reads it as it
+reads a stacked one's. A phase's input is quantized once; where its matrices take different activation
+bytes (Q8_0's flip on VNNI) or the halves' sums (Q6_K, IQ4 on VNNI), the quantizing member writes those
+beside it (`_block_extras`). Every output is computed by the same kernel on the same bytes as the Python loop's
+matmul of that matrix: the same bits (tests/kernels/test_decode_layers.py).
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numba
 import numpy as np
 from numba.typed import List
 
-from pantheon.kernels.cpu import attend_ir, int8dot, ops, quant, team
+from numba import types
+from numba.extending import overload
+
+from pantheon.kernels.cpu import attend_ir, int8dot, int8k, ops, quant, team
 
 log = logging.getLogger("pantheon.kernels")
 
-# The matrices of a layer, in the order of `DecodePlan.qtypes` / `rows` columns.
-QKV, OUT, GATE_UP, DOWN = 0, 1, 2, 3
-# Claimed phases of a layer in `_team_layers`: its four matmuls, phase _PHASES * layer + the matrix's column
-# above; the output matmul is phase _PHASES * n_layers. (The attention's items are claimed part by part, from
+# The matrices of a layer, in the order of `DecodePlan.qtypes` / `rows` / `cols` / `flips` columns and of its
+# `weights` lists. Where q, k and v have one type they are stacked at load into one matrix (LlamaBlock.w_qkv) that
+# stands as Q, K and V then empty (no rows); gate and up likewise as GATE.
+Q, K, V, OUT, GATE, UP, DOWN = range(7)
+# Claimed phases of a layer in `_team_layers`: one a matrix, phase _PHASES * layer + its column above; the
+# output matmul is phase _PHASES * n_layers. (The attention's items are claimed part by part, from
 # `part_claims`, a row per layer.)
-_PHASES = 4
+_PHASES = 7
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
@@ -60,37 +73,65 @@ def _matmul(qtype, packed, rows, x, flip, n_chunks):
 @numba.njit(cache=True, nogil=True, error_model="numpy")
 def _layers(x, h, qtypes, rows, flips, w_qkv, w_out, w_gate_up, w_down, ffn_norms, next_norms, eps, k_pools,
             v_pools, slots, positions, cos_table, sin_table, scale, n_q_heads, n_chunks):
+    """The layers one matmul at a time, for plans of stacked q|k|v and gate|up matrices of int8dot's types."""
     n_seqs = x.shape[0]
     head_dim = k_pools[0].shape[3]
     for li in range(len(w_qkv)):
-        qkv = _matmul(qtypes[li, QKV], w_qkv[li], rows[li, QKV], h, flips[li, QKV], n_chunks)
+        qkv = _matmul(qtypes[li, Q], w_qkv[li], rows[li, Q], h, flips[li, Q], n_chunks)
         attn = np.empty((n_seqs, n_q_heads, head_dim), dtype=np.float32)
         ops._attention_decode_qkv_kernel(qkv, False, cos_table, sin_table, k_pools[li], v_pools[li], slots,
                                          positions, scale, attn)
         o = _matmul(qtypes[li, OUT], w_out[li], rows[li, OUT], attn.reshape(n_seqs, n_q_heads * head_dim),
                     flips[li, OUT], n_chunks)
         ops._add_rmsnorm_rows(x, o, ffn_norms[li], eps, h)
-        ff = ops._swiglu_stacked_rows(_matmul(qtypes[li, GATE_UP], w_gate_up[li], rows[li, GATE_UP], h,
-                                     flips[li, GATE_UP], n_chunks))
+        ff = ops._swiglu_stacked_rows(_matmul(qtypes[li, GATE], w_gate_up[li], rows[li, GATE], h, flips[li, GATE],
+                                     n_chunks))
         d = _matmul(qtypes[li, DOWN], w_down[li], rows[li, DOWN], ff, flips[li, DOWN], n_chunks)
         ops._add_rmsnorm_rows(x, d, next_norms[li], eps, h)
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
-def _quantize_blocks(x, xq, xd, xs, flip, row, b_lo, b_hi):
-    """`int8dot._quantize`'s blocks b_lo .. b_hi - 1 of row `row` of x."""
+def _block_extras(q, flip, row, b_lo, b_hi):
+    """What the matrices of a K-quant plan (`DecodePlan.extras`) read beside blocks b_lo .. b_hi - 1 of row `row` of
+    q = (xq, xd, xs, xq_other, xh), quantized, where q has room for it: their bytes with the other flip (xq ^ -128:
+    a Q8_0 matrix on VNNI beside other types in one phase reads q + 128, the others q), and the sums of their
+    16-value halves of q (`int8k._half_sums`: the VNNI kernels of Q6_K and IQ4 take those in place of xs)."""
+    xq, other, halves = q[0], q[3], q[4]
+    if other.shape[1]:
+        for i in range(b_lo * int8dot.QK, b_hi * int8dot.QK):
+            other[row, i] = xq[row, i] ^ np.int8(-128)
+    if halves.shape[1]:
+        for half in range(2 * b_lo, 2 * b_hi):
+            total = np.int32(0)
+            if flip:  # xq's bytes are q ^ -128, q + 128 as unsigned bytes: q's sum is 16 * 128 less than theirs
+                for i in range(16 * half, 16 * half + 16):
+                    total += np.int32(xq[row, i]) & 255
+                total -= 16 * 128
+            else:
+                for i in range(16 * half, 16 * half + 16):
+                    total += np.int32(xq[row, i])
+            halves[row, half] = total
+
+
+@numba.njit(cache=True, nogil=True, error_model="numpy")
+def _quantize_blocks(x, q, flip, row, b_lo, b_hi):
+    """`int8dot._quantize`'s blocks b_lo .. b_hi - 1 of row `row` of x into q = (xq, xd, xs, xq_other, xh), and
+    their extras where q has room for them (`_block_extras`)."""
     for block in range(b_lo, b_hi):
-        int8dot._quantize_block(x, xq, xd, xs, row, block, flip)
+        int8dot._quantize_block(x, q[0], q[1], q[2], row, block, flip)
+    if q[3].shape[1] or q[4].shape[1]:
+        _block_extras(q, flip, row, b_lo, b_hi)
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
-def _quantize_rows(x, xq, xd, xs, flip, r_lo, r_hi):
-    """`int8dot._quantize`'s blocks of rows r_lo .. r_hi - 1 of x."""
-    int8dot._quantize_rows_serial(x[r_lo:r_hi], xq[r_lo:r_hi], xd[r_lo:r_hi], xs[r_lo:r_hi], flip)
+def _quantize_rows(x, q, flip, r_lo, r_hi):
+    """`int8dot._quantize`'s blocks of rows r_lo .. r_hi - 1 of x into q (`_quantize_blocks`)."""
+    for row in range(r_lo, r_hi):
+        _quantize_blocks(x, q, flip, row, 0, x.shape[1] // int8dot.QK)
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
-def _swiglu_quantize_span(gate_up, ff, xq, xd, xs, flip, part, parts):
+def _swiglu_quantize_span(gate_up, ff, q, flip, part, parts):
     """This member's share (`team.span`) of the (row, block) pairs of ff = SwiGLU(gate_up), in row-major order:
     each block's SwiGLU, then its quantization for the down matmul (`int8dot._quantize_block`), by the same
     member: one phase and one barrier for what were two (the SwiGLU's rows, then their blocks), and the
@@ -106,12 +147,12 @@ def _swiglu_quantize_span(gate_up, ff, xq, xd, xs, flip, part, parts):
         row, first = i // n_blocks, i % n_blocks
         end = min(n_blocks, first + hi - i)
         ops._swiglu_stacked_cols(gate_up, ff, row, first * qk, end * qk)
-        _quantize_blocks(ff, xq, xd, xs, flip, row, first, end)
+        _quantize_blocks(ff, q, flip, row, first, end)
         i += end - first
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
-def _add_rmsnorm_quantize_rows(residual, delta, weight, eps, out, xq, xd, xs, flip, r_lo, r_hi):
+def _add_rmsnorm_quantize_rows(residual, delta, weight, eps, out, q, flip, r_lo, r_hi):
     """`ops._add_rmsnorm_row` of rows r_lo .. r_hi - 1, each row's blocks quantized for the next matmul right
     after its norm (`int8dot._quantize_block`), by the member that owns the rows: no barrier between the norm
     and the quantization, which the team needed when the quantization's blocks were shared out apart from the
@@ -122,7 +163,7 @@ def _add_rmsnorm_quantize_rows(residual, delta, weight, eps, out, xq, xd, xs, fl
     this VM's noise, at most a few percent. (The norms' alone, one run: batch 8 1292 -> 1265, batch 1 272 -> 273.)"""
     for r in range(r_lo, r_hi):
         ops._add_rmsnorm_row(residual, delta, weight, eps, out, r)
-        _quantize_rows(out, xq, xd, xs, flip, r, r + 1)
+        _quantize_rows(out, q, flip, r, r + 1)
 
 
 # Keys (and as many values) per sequence and kv head that the down matmul asks for: 128 rows of SmolLM2's
@@ -146,8 +187,34 @@ def _prefetch_kv_pairs(k_pool, v_pool, slots, positions, first, end):
         _prefetch_rows_l2(v_pool[slots[b]], kvh, np.int64(0), rows)
 
 
+def _matrix_groups(kernels, qtype, packed, q, other, out, col0, g_lo, g_hi):
+    """Groups g_lo .. g_hi - 1 of a matrix of kernel type qtype against every row of the quantized input q (xq, xd,
+    xs, xq_other, xh; other: read xq_other), its outputs from column col0 of out. Compiled only (`overload`
+    below): kernels None takes int8dot's kernels alone, so that the step compiled for Q4_0 / Q4_1 / Q8_0 models
+    does not carry int8k's (their compile is ~half a minute of a cold start); anything else dispatches on qtype."""
+    raise NotImplementedError("compiled only")
+
+
+@overload(_matrix_groups)
+def _matrix_groups_compiled(kernels, qtype, packed, q, other, out, col0, g_lo, g_hi):  # type: ignore[no-untyped-def]
+    if isinstance(kernels, types.NoneType):
+        def int8dot_only(kernels, qtype, packed, q, other, out, col0, g_lo, g_hi):  # type: ignore[no-untyped-def]
+            int8dot._gemm_groups(qtype, packed, q[3] if other else q[0], q[1], q[2], out, g_lo, g_hi, col0)
+        return int8dot_only
+
+    def with_k_quants(kernels, qtype, packed, q, other, out, col0, g_lo, g_hi):  # type: ignore[no-untyped-def]
+        xq = q[3] if other else q[0]
+        if qtype == int8dot.Q4_1 or qtype == int8dot.Q8_0:
+            int8dot._gemm_groups(qtype, packed, xq, q[1], q[2], out, g_lo, g_hi, col0)
+        elif int8k._UNSIGNED and (qtype == int8k.Q6_K or qtype == int8k.IQ4_NL or qtype == int8k.IQ4_XS):
+            int8k._gemm_groups(qtype, packed, xq, q[1], q[4], out, g_lo, g_hi, col0)  # the halves' sums for xs
+        else:
+            int8k._gemm_groups(qtype, packed, xq, q[1], q[2], out, g_lo, g_hi, col0)
+    return with_k_quants
+
+
 @numba.njit(cache=True, nogil=True, error_model="numpy")
-def _gemm_claimed(qtype, packed, xq, xd, xs, out, claims, phase, n_threads, kv):
+def _gemm_claimed(kernels, qtype, other, packed, q, out, col0, claims, phase, n_threads, kv):
     """This member's part of a matmul the team shares out by claiming chunks of weight groups (`team.claim_chunk`).
     An output's bits do not depend on who computes it. The smallest chunk is about a microsecond of work.
 
@@ -164,7 +231,7 @@ def _gemm_claimed(qtype, packed, xq, xd, xs, out, claims, phase, n_threads, kv):
     1630-1710; the owner-first claiming alone, in another such run, 2940-3115 against 3045-3283.)"""
     k_pool, v_pool, slots, positions, kv_first, kv_end = kv
     n_groups = packed.shape[0]
-    min_chunk = max(2, 16 // xq.shape[0])
+    min_chunk = max(2, 16 // q[0].shape[0])
     # Claimed in pairs of groups: the wide kernels take two a call (int8dot.INT8_WIDE).
     n_pairs = (n_groups + 1) // 2
     asked = kv_first
@@ -176,49 +243,88 @@ def _gemm_claimed(qtype, packed, xq, xd, xs, out, claims, phase, n_threads, kv):
         upto = kv_first + (kv_end - kv_first) * hi // n_pairs
         _prefetch_kv_pairs(k_pool, v_pool, slots, positions, asked, upto)
         asked = max(asked, upto)
-        int8dot._gemm_groups(qtype, packed, xq, xd, xs, out, 2 * lo, min(n_groups, 2 * hi))
+        _matrix_groups(kernels, qtype, packed, q, other, out, col0, 2 * lo, min(n_groups, 2 * hi))
     _prefetch_kv_pairs(k_pool, v_pool, slots, positions, asked, kv_end)
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
-def _gemm_phases(q, qtype, packed, out, claims, phase, sync, t, n_threads, spin_limit, kv):
-    """A team's matmul of an input every member has quantized its part of into q (xq, xd, xs): meet, then
+def _gemm_phases(kernels, q, qtype, packed, out, claims, phase, sync, t, n_threads, spin_limit, kv):
+    """A team's matmul of an input every member has quantized its part of into q (xq, xd, xs, ..): meet, then
     claim chunks of the weight groups and meet again (out is whole after it), asking for kv's keys and values
     between chunks (`_gemm_claimed`). False when the team was given up at a barrier: leave the region then."""
     if not team.barrier(sync, t, n_threads, spin_limit):
         return False
-    _gemm_claimed(qtype, packed, q[0], q[1], q[2], out, claims, phase, n_threads, kv)
+    _gemm_claimed(kernels, qtype, False, packed, q, out, 0, claims, phase, n_threads, kv)
     return team.barrier(sync, t, n_threads, spin_limit)
 
 
+@numba.njit(cache=True, nogil=True, error_model="numpy")
+def _layer_matmuls(kernels, q, li, m_lo, m_hi, qtypes, cols, flips, w_layer, out, claims, sync, t, n_threads,
+                   spin_limit, kv):
+    """A layer's matrices m_lo .. m_hi - 1 (one phase: q, k and v, or gate and up, or one) times the input the
+    members quantized into q with the first one's flip, each into its columns of out: meet, claim chunks of one
+    matrix after another (an empty matrix has none), meet again. The first asks for kv's keys and values as it
+    goes (`_gemm_claimed`). A matrix of the other flip reads q's other bytes. False when the team was given up."""
+    if not team.barrier(sync, t, n_threads, spin_limit):
+        return False
+    run = kv
+    for m in range(m_lo, m_hi):
+        packed = w_layer[m]
+        if packed.shape[0] == 0:
+            continue
+        _gemm_claimed(kernels, qtypes[li, m], flips[li, m] != flips[li, m_lo], packed, q, out, cols[li, m], claims,
+                      _PHASES * li + m, n_threads, run)
+        run = (kv[0], kv[1], kv[2], kv[3], kv[5], kv[5])  # asked for once
+    return team.barrier(sync, t, n_threads, spin_limit)
+
+
+# `DecodePlan.extras`: which of the step's quantized inputs carry what the matrices of other kinds read
+# (`_block_extras`): q_d the other flip's bytes, and q_d, q_a, q_f the halves' sums.
+EXTRA_OTHER, EXTRA_HALVES_D, EXTRA_HALVES_A, EXTRA_HALVES_F = range(4)
+
+
+@numba.njit(cache=True, nogil=True, error_model="numpy")
+def _quantized(n_seqs, width, other, halves):
+    """Buffers (xq, xd, xs, xq_other, xh) for n_seqs rows of `width` values quantized (`_quantize_blocks`), the
+    last two empty where not asked for."""
+    qk = int8dot.QK
+    return (np.empty((n_seqs, width), dtype=np.int8), np.empty((n_seqs, width // qk), dtype=np.float32),
+            np.empty((n_seqs, width // qk), dtype=np.float32),
+            np.empty((n_seqs, width if other else 0), dtype=np.int8),
+            np.empty((n_seqs, width // 16 if halves else 0), dtype=np.float32))
+
+
 @numba.njit(parallel=True, cache=True, nogil=True, error_model="numpy")
-def _team_layers(n_threads, spin_limit, sync, claims, part_claims, x, h, qtypes, rows, flips, w_qkv, w_out, w_gate_up,
-                 w_down, ffn_norms, next_norms, eps, k_pools, v_pools, slots, positions, cos_table, sin_table, scale,
-                 first_item, per_subgroup, n_subgroups, max_splits, part_max, part_sum, part_acc, qkv, attn, o, gate_up,
-                 ff, d, q_d, q_a, q_f, out_qtype, out_packed, out_flip, logits):
+def _team_layers(kernels, n_threads, spin_limit, sync, claims, part_claims, x, h, qtypes, cols, flips, weights, ffn_norms,
+                 next_norms, eps, k_pools, v_pools, slots, positions, cos_table, sin_table, scale, first_item,
+                 per_subgroup, n_subgroups, max_splits, part_max, part_sum, part_acc, qkv, attn, o, gate_up, ff, d, q_d,
+                 q_a, q_f, out_qtype, out_packed, out_flip, logits):
     """`_layers` and the output matmul in one parallel region: iteration t of the prange is member t of the team
     (`_team_member`). Every value is computed by the same function, with the same arguments, whatever
     n_threads and whoever computes it: the same bits.
-    q_d / q_a / q_f: (xq, xd, xs) buffers for inputs of width D, n_q_heads * head_dim, and the FFN width.
+    q_d / q_a / q_f: (xq, xd, xs, xq_other, xh) buffers for inputs of width D, n_q_heads * head_dim, and the FFN
+    width (`_block_extras`: the last two empty where no matrix reads them). weights: the plan's seven lists.
 
     Each member gets the shared arrays as views without an owner (`team.unowned`: no reference counting on
     the words both threads would write, per call below)."""
     u = team.unowned
     for t in numba.prange(n_threads):
         # np.int64(t): one compiled `_team_member`, not two (see ops._njit_parallel).
-        _team_member(np.int64(t), n_threads, spin_limit, u(sync), u(claims), u(part_claims), u(x), u(h), u(qtypes),
-                     u(rows), u(flips), w_qkv, w_out, w_gate_up, w_down, u(ffn_norms), u(next_norms), eps, k_pools,
-                     v_pools, u(slots), u(positions), u(cos_table), u(sin_table), scale, u(first_item), per_subgroup,
+        _team_member(kernels, np.int64(t), n_threads, spin_limit, u(sync), u(claims), u(part_claims), u(x), u(h),
+                     u(qtypes), u(cols), u(flips), weights, u(ffn_norms), u(next_norms), eps, k_pools, v_pools,
+                     u(slots), u(positions), u(cos_table), u(sin_table), scale, u(first_item), per_subgroup,
                      n_subgroups, max_splits, u(part_max), u(part_sum), u(part_acc), u(qkv), u(attn), u(o), u(gate_up),
-                     u(ff), u(d), (u(q_d[0]), u(q_d[1]), u(q_d[2])), (u(q_a[0]), u(q_a[1]), u(q_a[2])),
-                     (u(q_f[0]), u(q_f[1]), u(q_f[2])), out_qtype, u(out_packed), out_flip, u(logits))
+                     u(ff), u(d), (u(q_d[0]), u(q_d[1]), u(q_d[2]), u(q_d[3]), u(q_d[4])),
+                     (u(q_a[0]), u(q_a[1]), u(q_a[2]), u(q_a[3]), u(q_a[4])),
+                     (u(q_f[0]), u(q_f[1]), u(q_f[2]), u(q_f[3]), u(q_f[4])), out_qtype, u(out_packed), out_flip,
+                     u(logits))
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
-def _team_member(t, n_threads, spin_limit, sync, claims, part_claims, x, h, qtypes, rows, flips, w_qkv, w_out,
-                 w_gate_up, w_down, ffn_norms, next_norms, eps, k_pools, v_pools, slots, positions, cos_table,
-                 sin_table, scale, first_item, per_subgroup, n_subgroups, max_splits, part_max, part_sum, part_acc, qkv,
-                 attn, o, gate_up, ff, d, q_d, q_a, q_f, out_qtype, out_packed, out_flip, logits):
+def _team_member(kernels, t, n_threads, spin_limit, sync, claims, part_claims, x, h, qtypes, cols, flips, weights,
+                 ffn_norms, next_norms, eps, k_pools, v_pools, slots, positions, cos_table, sin_table, scale, first_item,
+                 per_subgroup, n_subgroups, max_splits, part_max, part_sum, part_acc, qkv, attn, o, gate_up, ff, d, q_d,
+                 q_a, q_f, out_qtype, out_packed, out_flip, logits):
     """Member t's part of `_team_layers`: each phase does its share (`team.span`, or what it claims:
     `_gemm_claimed`, the attention items) and a barrier separates phases that read what another wrote."""
     n_seqs = x.shape[0]
@@ -248,16 +354,18 @@ def _team_member(t, n_threads, spin_limit, sync, claims, part_claims, x, h, qtyp
     head_blocks = head_dim // int8dot.QK
     # h (B, D), the input of a layer's q|k|v and gate|up matmuls and of the output matmul, is quantized by the
     # member that computed its rows (`_add_rmsnorm_quantize_rows`); the first layer's came normed from outside.
-    _quantize_rows(h, q_d[0], q_d[1], q_d[2], flips[0, QKV] if len(w_qkv) else out_flip, r_lo, r_hi)
-    for li in range(len(w_qkv)):
+    n_layers = len(weights[Q])
+    _quantize_rows(h, q_d, flips[0, Q] if n_layers else out_flip, r_lo, r_hi)
+    for li in range(n_layers):
         phase = _PHASES * li
         # Taken from the lists once a layer, as views without an owner: each list access increments and
         # decrements the array's reference count, an atomic on a word both threads share.
         k_pool, v_pool = u(k_pools[li]), u(v_pools[li])
-        w_layer = (u(w_qkv[li]), u(w_out[li]), u(w_gate_up[li]), u(w_down[li]))
+        w_layer = (u(weights[Q][li]), u(weights[K][li]), u(weights[V][li]), u(weights[OUT][li]),
+                   u(weights[GATE][li]), u(weights[UP][li]), u(weights[DOWN][li]))
         this_kv = (k_pool, v_pool, slots, positions, kv_lo, kv_hi)
-        if not _gemm_phases(q_d, qtypes[li, QKV], w_layer[QKV], qkv, claims, phase + QKV, sync, t, n_threads,
-                            spin_limit, this_kv):
+        if not _layer_matmuls(kernels, q_d, li, Q, V + 1, qtypes, cols, flips, w_layer, qkv, claims, sync, t,
+                              n_threads, spin_limit, this_kv):
             break
         while True:  # items differ in length (each sequence its own context): claimed one by one
             item = team.claim_own_first(part_claims, li, t, n_threads, item_starts)
@@ -267,39 +375,37 @@ def _team_member(t, n_threads, spin_limit, sync, claims, part_claims, x, h, qtyp
                                                      positions, scale32, attn, first_item, per_subgroup, n_subgroups,
                                                      part_max, part_sum, part_acc, scratch)
             if items_quantize:  # the item's output rows are whole: quantized for the out matmul at once
-                _quantize_blocks(attn_rows, q_a[0], q_a[1], q_a[2], flips[li, OUT], b, h0 * head_blocks,
-                                 (h0 + n_heads) * head_blocks)
+                _quantize_blocks(attn_rows, q_a, flips[li, OUT], b, h0 * head_blocks, (h0 + n_heads) * head_blocks)
         if not items_quantize:  # a member's rows once every item is done: merged (split runs), then quantized
             if not team.barrier(sync, t, n_threads, spin_limit):
                 break
             if max_splits > 1:
                 ops._merge_split_rows(positions, part_max, part_sum, part_acc, attn, r_lo, r_hi)
-            _quantize_rows(attn_rows, q_a[0], q_a[1], q_a[2], flips[li, OUT], r_lo, r_hi)
-        if not _gemm_phases(q_a, qtypes[li, OUT], w_layer[OUT], o, claims, phase + OUT, sync, t, n_threads, spin_limit,
-                            no_kv):
+            _quantize_rows(attn_rows, q_a, flips[li, OUT], r_lo, r_hi)
+        if not _layer_matmuls(kernels, q_a, li, OUT, OUT + 1, qtypes, cols, flips, w_layer, o, claims, sync, t,
+                              n_threads, spin_limit, no_kv):
             break
-        _add_rmsnorm_quantize_rows(x, o, ffn_norms[li], eps, h, q_d[0], q_d[1], q_d[2], flips[li, GATE_UP], r_lo,
-                                   r_hi)
-        if not _gemm_phases(q_d, qtypes[li, GATE_UP], w_layer[GATE_UP], gate_up, claims, phase + GATE_UP, sync, t,
-                            n_threads, spin_limit, no_kv):
+        _add_rmsnorm_quantize_rows(x, o, ffn_norms[li], eps, h, q_d, flips[li, GATE], r_lo, r_hi)
+        if not _layer_matmuls(kernels, q_d, li, GATE, UP + 1, qtypes, cols, flips, w_layer, gate_up, claims, sync, t,
+                              n_threads, spin_limit, no_kv):
             break
         # The down matmul's input: the SwiGLU of gate|up, computed block by block as it is quantized.
-        _swiglu_quantize_span(gate_up, ff, q_f[0], q_f[1], q_f[2], flips[li, DOWN], t, n_threads)
+        _swiglu_quantize_span(gate_up, ff, q_f, flips[li, DOWN], t, n_threads)
         # The down matmul asks for this member's share of the next layer's keys and values as it goes.
-        next_kv = no_kv if li + 1 == len(w_qkv) else (u(k_pools[li + 1]), u(v_pools[li + 1]), slots, positions,
-                                                       kv_lo, kv_hi)
-        if not _gemm_phases(q_f, qtypes[li, DOWN], w_layer[DOWN], d, claims, phase + DOWN, sync, t, n_threads,
-                            spin_limit, next_kv):
+        next_kv = no_kv if li + 1 == n_layers else (u(k_pools[li + 1]), u(v_pools[li + 1]), slots, positions,
+                                                     kv_lo, kv_hi)
+        if not _layer_matmuls(kernels, q_f, li, DOWN, DOWN + 1, qtypes, cols, flips, w_layer, d, claims, sync, t,
+                              n_threads, spin_limit, next_kv):
             break
-        _add_rmsnorm_quantize_rows(x, d, next_norms[li], eps, h, q_d[0], q_d[1], q_d[2],
-                                   out_flip if li + 1 == len(w_qkv) else flips[li + 1, QKV], r_lo, r_hi)
-    _gemm_phases(q_d, out_qtype, out_packed, logits, claims, _PHASES * len(w_qkv), sync, t, n_threads, spin_limit,
-                 no_kv)
+        _add_rmsnorm_quantize_rows(x, d, next_norms[li], eps, h, q_d,
+                                   out_flip if li + 1 == n_layers else flips[li + 1, Q], r_lo, r_hi)
+    _gemm_phases(kernels, q_d, out_qtype, out_packed, logits, claims, _PHASES * n_layers, sync, t, n_threads,
+                 spin_limit, no_kv)
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
 def _team_step(n_threads, spin_limit, tokens, embd_qtype, embd_data, first_norm, out_qtype, out_packed, out_rows,
-               out_flip, qtypes, rows, flips, w_qkv, w_out, w_gate_up, w_down, ffn_norms, next_norms, eps, k_pools,
+               out_flip, kernels, extras, qtypes, rows, cols, flips, weights, ffn_norms, next_norms, eps, k_pools,
                v_pools, slots, positions, n_rot, freq_base, freq_scale, scale, n_q_heads):
     """The whole decode step (the rotation's angles, embedding rows, the first norm, the layers and the output
     matrix) by a team of n_threads in one parallel region (`_team_layers`). Returns (logits (B, out_rows),
@@ -327,25 +433,22 @@ def _team_step(n_threads, spin_limit, tokens, embd_qtype, embd_data, first_norm,
     h = np.empty_like(x)
     ops._rmsnorm_rows(x, first_norm, eps, h)
     width = rows[0, DOWN]
-    ffn = rows[0, GATE_UP] // 2
-    qk = int8dot.QK
-    q_d = (np.empty((n_seqs, dim), dtype=np.int8), np.empty((n_seqs, dim // qk), dtype=np.float32),
-           np.empty((n_seqs, dim // qk), dtype=np.float32))
-    a_dim = n_q_heads * head_dim
-    q_a = (np.empty((n_seqs, a_dim), dtype=np.int8), np.empty((n_seqs, a_dim // qk), dtype=np.float32),
-           np.empty((n_seqs, a_dim // qk), dtype=np.float32))
-    q_f = (np.empty((n_seqs, ffn), dtype=np.int8), np.empty((n_seqs, ffn // qk), dtype=np.float32),
-           np.empty((n_seqs, ffn // qk), dtype=np.float32))
+    qkv_rows = rows[0, Q] + rows[0, K] + rows[0, V]
+    ffn = (rows[0, GATE] + rows[0, UP]) // 2
+    q_d = _quantized(n_seqs, dim, extras[EXTRA_OTHER], extras[EXTRA_HALVES_D])
+    q_a = _quantized(n_seqs, n_q_heads * head_dim, 0, extras[EXTRA_HALVES_A])
+    q_f = _quantized(n_seqs, ffn, 0, extras[EXTRA_HALVES_F])
     logits = np.empty((n_seqs, out_rows), dtype=np.float32)
     sync = team.new_sync(n_threads)
-    claims = team.new_claims(_PHASES * len(w_qkv) + 1)
-    part_claims = team.new_part_claims(len(w_qkv), n_threads)  # the layers' attention items
-    _team_layers(n_threads, spin_limit, sync, claims, part_claims, x, h, qtypes, rows, flips, w_qkv, w_out, w_gate_up,
-                 w_down, ffn_norms, next_norms, eps, k_pools, v_pools, slots, positions, cos_table, sin_table, scale,
+    n_layers = len(weights[Q])
+    claims = team.new_claims(_PHASES * n_layers + 1)
+    part_claims = team.new_part_claims(n_layers, n_threads)  # the layers' attention items
+    _team_layers(kernels, n_threads, spin_limit, sync, claims, part_claims, x, h, qtypes, cols, flips, weights,
+                 ffn_norms, next_norms, eps, k_pools, v_pools, slots, positions, cos_table, sin_table, scale,
                  first_item, per_subgroup, n_subgroups, max_splits, part_max, part_sum, part_acc,
-                 np.empty((n_seqs, rows[0, QKV]), dtype=np.float32),
+                 np.empty((n_seqs, qkv_rows), dtype=np.float32),
                  np.empty((n_seqs, n_q_heads, head_dim), dtype=np.float32),
-                 np.empty((n_seqs, width), dtype=np.float32), np.empty((n_seqs, rows[0, GATE_UP]), dtype=np.float32),
+                 np.empty((n_seqs, width), dtype=np.float32), np.empty((n_seqs, 2 * ffn), dtype=np.float32),
                  np.empty((n_seqs, ffn), dtype=np.float32), np.empty((n_seqs, width), dtype=np.float32),
                  q_d, q_a, q_f, out_qtype, out_packed, out_flip, logits)
     return logits, sync[team.ABORT] == 0
@@ -367,63 +470,115 @@ class DecodeEnds:
 
 @dataclass
 class DecodePlan:
-    """A model's weights as `decode_layers` takes them, built once."""
+    """A model's weights as `decode_layers` takes them, built once. Columns and lists in the order Q, K, V, OUT,
+    GATE, UP, DOWN; a matrix stacked at load (q|k|v, gate|up) stands in the first of its columns, the others
+    empty (no rows, no packed groups)."""
 
-    qtypes: np.ndarray  # int64 (L, 4)
-    rows: np.ndarray  # int64 (L, 4): each matrix's output features
-    flips: np.ndarray  # int32 (L, 4): `int8dot._flip` of each matrix
-    w_qkv: Any  # typed lists of the packed matrices (int8dot.pack_weight)
-    w_out: Any
-    w_gate_up: Any
-    w_down: Any
+    qtypes: np.ndarray  # int64 (L, 7): the kernel type of each matrix (`_kernel_of`)
+    rows: np.ndarray  # int64 (L, 7): each matrix's output features
+    cols: np.ndarray  # int64 (L, 7): where its outputs start in its phase's output (q|k|v, gate|up side by side)
+    flips: np.ndarray  # int32 (L, 7): `int8dot._flip` of each matrix
+    weights: tuple[Any, ...]  # seven typed lists of the packed matrices (`QWeight.int8_packed`)
     ffn_norms: np.ndarray  # float32 (L, D)
     next_norms: np.ndarray  # float32 (L, D): the next layer's attention norm, the output norm after the last
     head_dim: int
+    # None where every matrix takes int8dot's kernels, True where some take int8k's (`_matrix_groups`).
+    kernels: bool | None = None
+    # int64 (4,): which quantized inputs carry extras (`EXTRA_OTHER` ..), all 0 for a plan of one flip and no
+    # halves' sums.
+    extras: np.ndarray = field(default_factory=lambda: np.zeros(4, dtype=np.int64))
     ends: DecodeEnds | None = None  # set when the whole step, embedding to logits, runs compiled
+
+    @property
+    def layers_path(self) -> bool:
+        """Whether `decode_layers` (the layers alone, matmul by matmul) can run this plan: int8dot's types, q|k|v
+        and gate|up stacked, one flip a phase's input. Other plans run as whole steps only."""
+        empty = self.rows[:, [K, V, UP]]
+        return self.kernels is None and not empty.any() and not self.extras.any()
 
 
 def _kernel_of(w: Any) -> tuple[int, np.int32]:
-    """The type whose int8dot kernels run w's packed rows (`int8dot.kernel_qtype`), and the activations' flip
-    for them."""
-    qtype = int8dot.kernel_qtype(w.qtype)
+    """The type whose kernels (int8dot's or int8k's) run w's packed rows (`kernel_qtype`), and the activations'
+    flip for them."""
+    qtype = int8k.kernel_qtype(w.qtype) if w.qtype in int8k.TYPES else int8dot.kernel_qtype(w.qtype)
     return qtype, np.int32(int8dot._flip(qtype, int8dot.INT8_ISA))
+
+
+# The kernel types whose VNNI kernels read the halves' sums of the activations (`int8k._unsigned_weights`).
+_HALVES_TYPES = frozenset({int8k.Q6_K, int8k.IQ4_NL, int8k.IQ4_XS}) if int8k._UNSIGNED else frozenset()
+# A stand-in for the empty columns (K and V, UP) of a stacked matrix: no groups to claim.
+_NO_MATRIX = np.zeros((0, 1), dtype=np.uint8)
+_NO_MATRIX.flags.writeable = False
+
+
+def _layer_matrices(blk: Any) -> list[Any] | None:
+    """A layer's seven matrices in plan order (None for the empty columns of a stacked one), or None when a
+    matrix is missing or of a type without int8 kernels, or q, k, v or gate, up apart with rows that are not a
+    multiple of 8 (side by side in one output, a last partial group would write into the next matrix's)."""
+    qkv = [blk.w_qkv, None, None] if blk.w_qkv is not None else [blk.wq, blk.wk, blk.wv]
+    gate_up = [blk.w_gate_up, None] if blk.w_gate_up is not None else [blk.w_gate, blk.w_up]
+    layer = [*qkv, blk.wo, *gate_up, blk.w_down]
+    apart = [*qkv[1:], *gate_up[1:]]
+    if any(w is not None for w in apart) and any(w is not None and w.rows % int8dot.LANES for w in qkv + gate_up):
+        return None
+    for column, w in enumerate(layer):
+        if w is None and column not in (K, V, UP):
+            return None
+        if w is not None and getattr(w, "qtype", None) not in int8dot.INT8_TYPES | int8k.TYPES:
+            return None
+    return layer
 
 
 def build_plan(blocks: list[Any], output_norm: np.ndarray, head_dim: int, int8: bool, tok_embd: Any = None,
                output: Any = None) -> DecodePlan | None:
     """The plan for a llama model's blocks, or None when they are not all of the shape this path serves. With
-    the embedding and output matrices given and of a shape it takes, the plan covers the whole step."""
+    the embedding and output matrices given and of a shape it takes, the plan covers the whole step. A model
+    whose matrices are not all int8dot's types, or not all stacked, runs whole steps only (`layers_path`):
+    None when its embedding or output matrix is not of a shape the step takes."""
     if not int8 or int8dot.INT8_ISA is None or head_dim % ops.LANES or not blocks:
         return None
-    matrices = []
-    for blk in blocks:
-        layer = (blk.w_qkv, blk.wo, blk.w_gate_up, blk.w_down)
-        if any(w is None or getattr(w, "qtype", None) not in int8dot.INT8_TYPES for w in layer):
-            return None
-        matrices.append(layer)
-    lists = [List() for _ in range(4)]
-    for layer in matrices:
-        for target, w in zip(lists, layer):
-            target.append(w.int8_packed)
-    kernels = [[_kernel_of(w) for w in layer] for layer in matrices]
+    layers = [_layer_matrices(blk) for blk in blocks]
+    if any(layer is None for layer in layers):
+        return None
+    lists = tuple(List() for _ in range(7))
+    kinds = np.zeros((len(blocks), 7, 2), dtype=np.int64)  # (kernel type, flip)
+    rows = np.zeros((len(blocks), 7), dtype=np.int64)
+    for li, layer in enumerate(layers):
+        for column, w in enumerate(layer):
+            lists[column].append(_NO_MATRIX if w is None else w.int8_packed)
+            if w is not None:
+                kinds[li, column] = _kernel_of(w)
+                rows[li, column] = w.rows
+            else:  # an empty column takes its phase's first matrix's kind: it asks for no other bytes
+                kinds[li, column] = kinds[li, column - 1]
     ends = None
     if (tok_embd is not None and output is not None and getattr(tok_embd, "qtype", quant.F32) != quant.F32
-            and tok_embd.qtype in quant.SUPPORTED_TYPES and getattr(output, "qtype", None) in int8dot.INT8_TYPES):
+            and tok_embd.qtype in quant.SUPPORTED_TYPES
+            and getattr(output, "qtype", None) in int8dot.INT8_TYPES | int8k.TYPES):
         out_qtype, out_flip = _kernel_of(output)
         ends = DecodeEnds(embd_qtype=tok_embd.qtype, embd_data=tok_embd.data,
                           first_norm=np.asarray(blocks[0].attn_norm, dtype=np.float32),
                           out_qtype=out_qtype, out_packed=output.int8_packed, out_rows=output.rows, out_flip=out_flip)
-    return DecodePlan(
-        ends=ends,
-        qtypes=np.array([[qtype for qtype, _ in layer] for layer in kernels], dtype=np.int64),
-        rows=np.array([[w.rows for w in layer] for layer in matrices], dtype=np.int64),
-        flips=np.array([[flip for _, flip in layer] for layer in kernels], dtype=np.int32),
-        w_qkv=lists[0], w_out=lists[1], w_gate_up=lists[2], w_down=lists[3],
+    qtypes, flips = kinds[:, :, 0], kinds[:, :, 1].astype(np.int32)
+    cols = np.zeros_like(rows)
+    cols[:, K], cols[:, V], cols[:, UP] = rows[:, Q], rows[:, Q] + rows[:, K], rows[:, GATE]
+    halves = np.isin(qtypes, list(_HALVES_TYPES))
+    out_halves = ends is not None and ends.out_qtype in _HALVES_TYPES
+    extras = np.array([
+        (flips[:, [K, V]] != flips[:, [Q]]).any() or (flips[:, [UP]] != flips[:, [GATE]]).any(),
+        halves[:, [Q, K, V, GATE, UP]].any() or out_halves, halves[:, OUT].any(), halves[:, DOWN].any()],
+        dtype=np.int64)
+    all_int8dot = all(w is None or w.qtype in int8dot.INT8_TYPES for layer in layers for w in layer) and (
+        ends is None or output.qtype in int8dot.INT8_TYPES)
+    plan = DecodePlan(
+        ends=ends, qtypes=qtypes, rows=rows, cols=cols, flips=flips, weights=lists, extras=extras,
+        kernels=None if all_int8dot else True,
         ffn_norms=np.stack([np.asarray(blk.ffn_norm, dtype=np.float32) for blk in blocks]),
         next_norms=np.stack([np.asarray(b.attn_norm, dtype=np.float32) for b in blocks[1:]]
                             + [np.asarray(output_norm, dtype=np.float32)]),
         head_dim=head_dim,
     )
+    return plan if ends is not None or plan.layers_path else None
 
 
 def kernel_pools(pools: list[np.ndarray]) -> Any:
@@ -447,10 +602,13 @@ def decode_layers(plan: DecodePlan, x: np.ndarray, h: np.ndarray, eps: float, k_
                   freq_scale: float, scale: float, threads: int) -> None:
     """Every layer of a decode step (one token per sequence, distinct slots): x (B, D) the residual stream and
     h (B, D) its first attention norm on entry; on return x is the last layer's residual and h its output
-    norm. k_pools / v_pools from `kernel_pools`. Rotation as `ops.rope_qkv_into_cache` with neox False."""
+    norm. k_pools / v_pools from `kernel_pools`. Rotation as `ops.rope_qkv_into_cache` with neox False. Plans
+    of `DecodePlan.layers_path` only."""
+    if not plan.layers_path:
+        raise ValueError("this plan runs as whole decode steps only")
     slots, positions, cos_table, sin_table = _rows(plan.head_dim, slots, positions, n_rot, freq_base, freq_scale)
-    _layers(x, h, plan.qtypes, plan.rows, plan.flips, plan.w_qkv, plan.w_out, plan.w_gate_up, plan.w_down,
-            plan.ffn_norms, plan.next_norms, float(eps), k_pools, v_pools, slots, positions, cos_table,
+    w = plan.weights
+    _layers(x, h, plan.qtypes, plan.rows, plan.flips, w[Q], w[OUT], w[GATE], w[DOWN], plan.ffn_norms, plan.next_norms, float(eps), k_pools, v_pools, slots, positions, cos_table,
             sin_table, float(scale), n_q_heads, 4 * threads)
 
 
@@ -481,8 +639,8 @@ def step_args(plan: DecodePlan, tokens: np.ndarray, eps: float, k_pools: Any, v_
     ops._check_n_rot(n_rot, plan.head_dim)
     # The angle tables are made inside the compiled step: this Python runs cache-cold after every step.
     return (np.ascontiguousarray(tokens, dtype=np.int64), ends.embd_qtype, ends.embd_data, ends.first_norm,
-            ends.out_qtype, ends.out_packed, ends.out_rows, ends.out_flip, plan.qtypes, plan.rows, plan.flips,
-            plan.w_qkv, plan.w_out, plan.w_gate_up, plan.w_down, plan.ffn_norms, plan.next_norms, float(eps),
+            ends.out_qtype, ends.out_packed, ends.out_rows, ends.out_flip, plan.kernels, plan.extras, plan.qtypes,
+            plan.rows, plan.cols, plan.flips, plan.weights, plan.ffn_norms, plan.next_norms, float(eps),
             k_pools, v_pools, np.asarray(slots, dtype=np.int32), np.asarray(positions, dtype=np.int32), n_rot,
             float(freq_base), float(freq_scale), float(scale), n_q_heads)
 

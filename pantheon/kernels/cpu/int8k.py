@@ -639,7 +639,7 @@ def pack_weight(qtype: int, data: np.ndarray) -> np.ndarray:
 
 
 @numba.njit(**_KERNEL)
-def _group_rows(wide, qtype, packed, g, xq, xd, xs, out):
+def _group_rows(wide, qtype, packed, g, xq, xd, xs, out, col0):
     """Every activation row against weight group g (wide: groups g and g + 1), 8 rows a call while there are 8
     (wide: on the 16-lane kernels), then 4, then one, on 8 lanes a group: the 16-lane kernels are compiled for 8
     rows only (fewer variants to compile), and a lane's arithmetic is the same on both widths."""
@@ -647,12 +647,12 @@ def _group_rows(wide, qtype, packed, g, xq, xd, xs, out):
     b = 0
     while b + 8 <= batch:
         if wide:
-            _wide_8(qtype, packed, g, xq, xd, xs, b, out, g * LANES)
+            _wide_8(qtype, packed, g, xq, xd, xs, b, out, col0 + g * LANES)
         else:
-            _dot_8(qtype, packed, g, xq, xd, xs, b, out, g * LANES)
+            _dot_8(qtype, packed, g, xq, xd, xs, b, out, col0 + g * LANES)
         b += 8
     for group in range(g, g + 2 if wide else g + 1):
-        n0 = group * LANES
+        n0 = col0 + group * LANES
         rest = b
         while rest + 4 <= batch:
             _dot_4(qtype, packed, group, xq, xd, xs, rest, out, n0)
@@ -663,15 +663,16 @@ def _group_rows(wide, qtype, packed, g, xq, xd, xs, out):
 
 
 @numba.njit(**_KERNEL)
-def _gemm_groups(qtype, packed, xq, xd, xs, out, g_lo, g_hi):
-    """Every activation row against weight groups g_lo .. g_hi - 1; with `int8dot.INT8_WIDE` and at least
-    `int8dot.WIDE_MIN_ROWS` activation rows, pairs of groups a call."""
+def _gemm_groups(qtype, packed, xq, xd, xs, out, g_lo, g_hi, col0):
+    """Every activation row against weight groups g_lo .. g_hi - 1, their outputs from column col0 of out (as
+    `int8dot._gemm_groups`); with `int8dot.INT8_WIDE` and at least `int8dot.WIDE_MIN_ROWS` activation rows, pairs
+    of groups a call."""
     g = g_lo
     while int8dot.INT8_WIDE and xq.shape[0] >= int8dot.WIDE_MIN_ROWS and g + 2 <= g_hi:
-        _group_rows(True, qtype, packed, g, xq, xd, xs, out)
+        _group_rows(True, qtype, packed, g, xq, xd, xs, out, col0)
         g += 2
     for g in range(g, g_hi):
-        _group_rows(False, qtype, packed, g, xq, xd, xs, out)
+        _group_rows(False, qtype, packed, g, xq, xd, xs, out, col0)
 
 
 @numba.njit(parallel=True, **_KERNEL)
@@ -681,7 +682,7 @@ def _gemm(qtype, packed, xq, xd, xs, out, n_chunks):
     chunk = (n_groups + n_chunks - 1) // n_chunks
     chunk += chunk % 2  # whole pairs of groups for the wide kernels
     for c in numba.prange((n_groups + chunk - 1) // chunk):
-        _gemm_groups(qtype, packed, xq, xd, xs, out, c * chunk, min(n_groups, (c + 1) * chunk))
+        _gemm_groups(qtype, packed, xq, xd, xs, out, c * chunk, min(n_groups, (c + 1) * chunk), 0)
 
 
 @numba.njit(**_KERNEL)
