@@ -34,6 +34,18 @@ def tiny(tmp_path: Path, qtype: Q, d: int = 64, heads: int = 4, kv_heads: int = 
     return load_model(open_gguf(_WRITTEN[key], None), CpuBackend(2, int8=int8))
 
 
+def _same_prefills(model, starts: list[int], n_states: int, seed: int):
+    """n_states caches holding the same random prompts (lengths `starts`) on the same random slots."""
+    rng = np.random.default_rng(seed)
+    states = [model.new_state(6, 1200) for _ in range(n_states)]
+    slots = rng.permutation(6)[: len(starts)]
+    prompts = [rng.integers(0, 500, start).astype(np.int32) for start in starts]
+    for state in states:
+        for slot, prompt in zip(slots, prompts):
+            model.forward(state, [BatchRow(int(slot), prompt, 0)])
+    return states, slots
+
+
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_1, Q.Q4_0])  # Q4_0: packed as Q4_1 (int8dot.kernel_qtype)
 # Head dims 16 and 32, both with 2 kv heads: with one, the head-major cache pools are C-contiguous rather than
 # strided, and every kernel of the step compiles again for that layout (~75 s of a cold test run).
@@ -50,13 +62,7 @@ def test_compiled_decode_gives_the_bits_of_the_python_loop(tmp_path, qtype, head
     assert plan is not None and plan.ends is not None
     if not whole_step:
         plan.ends = None
-    rng = np.random.default_rng(len(starts) + heads)
-    states = [model.new_state(6, 1200) for _ in range(2)]
-    slots = rng.permutation(6)[: len(starts)]
-    prompts = [rng.integers(0, 500, start).astype(np.int32) for start in starts]
-    for state in states:
-        for slot, prompt in zip(slots, prompts):
-            model.forward(state, [BatchRow(int(slot), prompt, 0)])
+    states, slots = _same_prefills(model, starts, 2, len(starts) + heads)
     tokens = [3] * len(starts)
     for step in range(5):
         rows = [BatchRow(int(slot), np.array([t], np.int32), start + step)
@@ -113,13 +119,7 @@ def test_a_k_quant_mix_runs_compiled_with_the_bits_of_the_python_loop(tmp_path, 
     assert plan is not None and plan.ends is not None and plan.kernels is not None and not plan.layers_path
     assert plan.rows[0, K] > 0 and plan.rows[1, UP] > 0 and plan.rows[2, K] == 0  # apart, apart, stacked
     assert plan.extras[dl.EXTRA_OTHER] == (int8dot.INT8_ISA == "vnni")  # Q8_0's flip beside Q5_0
-    rng = np.random.default_rng(len(starts))
-    states = [model.new_state(6, 1200) for _ in range(3)]
-    slots = rng.permutation(6)[: len(starts)]
-    prompts = [rng.integers(0, 500, start).astype(np.int32) for start in starts]
-    for state in states:
-        for slot, prompt in zip(slots, prompts):
-            model.forward(state, [BatchRow(int(slot), prompt, 0)])
+    states, slots = _same_prefills(model, starts, 3, len(starts))
     tokens = [3] * len(starts)
     for step in range(4):
         rows = [BatchRow(int(slot), np.array([t], np.int32), start + step)
