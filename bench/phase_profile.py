@@ -69,11 +69,11 @@ _BOUNDARIES = [
     (" " * 8, "while True:  # items differ", 1),
     (" " * 8, "if not items_quantize:  # a member", 2),
     (" " * 8, "_add_rmsnorm_quantize_rows(x, o,", 3),
-    (" " * 8, "if not _layer_matmuls(kernels, q_d, li, GATE,", 4),
+    (" " * 8, "if not _layer_matmuls(gemm, q_d, li, GATE,", 4),
     (" " * 8, "_swiglu_quantize_span(", 5),
     (" " * 8, "# The down matmul asks", 6),
     (" " * 8, "_add_rmsnorm_quantize_rows(x, d,", 7),
-    (" " * 4, "_gemm_phases(kernels, q_d, out_qtype", 8),
+    (" " * 4, "_gemm_phases(gemm, q_d, out_qtype", 8),
 ]
 
 

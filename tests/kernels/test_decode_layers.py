@@ -116,7 +116,7 @@ def test_a_k_quant_mix_runs_compiled_with_the_bits_of_the_python_loop(tmp_path, 
 
     model = k_mix(tmp_path)
     plan, c = model._decode_plan, model.config
-    assert plan is not None and plan.ends is not None and plan.kernels is not None and not plan.layers_path
+    assert plan is not None and plan.ends is not None and plan.k_quants and not plan.layers_path
     assert plan.rows[0, K] > 0 and plan.rows[1, UP] > 0 and plan.rows[2, K] == 0  # apart, apart, stacked
     assert plan.extras[dl.EXTRA_OTHER] == (int8dot.INT8_ISA == "vnni")  # Q8_0's flip beside Q5_0
     states, slots = _same_prefills(model, starts, 3, len(starts))

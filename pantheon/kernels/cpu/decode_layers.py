@@ -27,7 +27,8 @@ quantized and the output matrix has int8 kernels too (the default model), `decod
 embedding rows, the first norm and the output matmul: token ids in, logits out, one GIL round trip. Models of
 int8dot's types (Q4_0, Q4_1, Q8_0) with q|k|v and gate|up stacked at load also run their layers alone this way
 (`decode_layers`, when the ends are not taken). The K-quant, 5-bit and IQ4 types (`int8k`: most files people
-download, Q4_K_M / Q5_K_M) run as whole steps only, each matrix on its own type's kernels (`_matrix_groups`),
+download, Q4_K_M / Q5_K_M) run as whole steps only, each matrix on its own type's kernels (`gemm_call`: the step
+calls them through a pointer, so that one compiled step serves every model),
 and their mixes within a layer (Q4_K_M's Q6_K attn_v beside Q4_K q and k, SmolLM2's Q8_0 attn_v beside Q5_0)
 keep q, k and v apart, each written into its columns of one q|k|v output: the attention then reads it as it
 reads a stacked one's. A phase's input is quantized once; where its matrices take different activation
@@ -46,10 +47,7 @@ import numba
 import numpy as np
 from numba.typed import List
 
-from numba import types
-from numba.extending import overload
-
-from pantheon.kernels.cpu import attend_ir, int8dot, int8k, ops, quant, team
+from pantheon.kernels.cpu import attend_ir, gemm_call, int8dot, int8k, ops, quant, team
 
 log = logging.getLogger("pantheon.kernels")
 
@@ -187,36 +185,11 @@ def _prefetch_kv_pairs(k_pool, v_pool, slots, positions, first, end):
         _prefetch_rows_l2(v_pool[slots[b]], kvh, np.int64(0), rows)
 
 
-def _matrix_groups(kernels, qtype, packed, q, other, out, col0, g_lo, g_hi):
-    """Groups g_lo .. g_hi - 1 of a matrix of kernel type qtype against every row of the quantized input q (xq, xd,
-    xs, xq_other, xh; other: read xq_other), its outputs from column col0 of out. Compiled only (`overload`
-    below): kernels None takes int8dot's kernels alone, so that the step compiled for Q4_0 / Q4_1 / Q8_0 models
-    does not carry int8k's (their compile is ~half a minute of a cold start); anything else dispatches on qtype."""
-    raise NotImplementedError("compiled only")
-
-
-@overload(_matrix_groups)
-def _matrix_groups_compiled(kernels, qtype, packed, q, other, out, col0, g_lo, g_hi):  # type: ignore[no-untyped-def]
-    if isinstance(kernels, types.NoneType):
-        def int8dot_only(kernels, qtype, packed, q, other, out, col0, g_lo, g_hi):  # type: ignore[no-untyped-def]
-            int8dot._gemm_groups(qtype, packed, q[3] if other else q[0], q[1], q[2], out, g_lo, g_hi, col0)
-        return int8dot_only
-
-    def with_k_quants(kernels, qtype, packed, q, other, out, col0, g_lo, g_hi):  # type: ignore[no-untyped-def]
-        xq = q[3] if other else q[0]
-        if qtype == int8dot.Q4_1 or qtype == int8dot.Q8_0:
-            int8dot._gemm_groups(qtype, packed, xq, q[1], q[2], out, g_lo, g_hi, col0)
-        elif int8k._UNSIGNED and (qtype == int8k.Q6_K or qtype == int8k.IQ4_NL or qtype == int8k.IQ4_XS):
-            int8k._gemm_groups(qtype, packed, xq, q[1], q[4], out, g_lo, g_hi, col0)  # the halves' sums for xs
-        else:
-            int8k._gemm_groups(qtype, packed, xq, q[1], q[2], out, g_lo, g_hi, col0)
-    return with_k_quants
-
-
 @numba.njit(cache=True, nogil=True, error_model="numpy")
-def _gemm_claimed(kernels, qtype, other, packed, q, out, col0, claims, phase, n_threads, kv):
+def _gemm_claimed(gemm, qtype, other, packed, q, out, col0, claims, phase, n_threads, kv):
     """This member's part of a matmul the team shares out by claiming chunks of weight groups (`team.claim_chunk`).
-    An output's bits do not depend on who computes it. The smallest chunk is about a microsecond of work.
+    An output's bits do not depend on who computes it. The smallest chunk is about a microsecond of work. gemm:
+    the address of the kernels' gemm (`gemm_call.gemm_address`); other: the matrix reads q's other-flip bytes.
 
     kv = (k_pool, v_pool, slots, positions, first, end): between its chunks the member also asks for the keys
     and values of (sequence, kv head) pairs first .. end - 1 (`_prefetch_kv_pairs`), in step with the matmul's
@@ -231,6 +204,10 @@ def _gemm_claimed(kernels, qtype, other, packed, q, out, col0, claims, phase, n_
     1630-1710; the owner-first claiming alone, in another such run, 2940-3115 against 3045-3283.)"""
     k_pool, v_pool, slots, positions, kv_first, kv_end = kv
     n_groups = packed.shape[0]
+    xq = q[3] if other else q[0]
+    # The kernels of Q6_K and IQ4 on VNNI read the halves' sums in place of xs (`int8k._activations`).
+    halves = int8k._UNSIGNED and (qtype == int8k.Q6_K or qtype == int8k.IQ4_NL or qtype == int8k.IQ4_XS)
+    xs = q[4] if halves else q[2]
     min_chunk = max(2, 16 // q[0].shape[0])
     # Claimed in pairs of groups: the wide kernels take two a call (int8dot.INT8_WIDE).
     n_pairs = (n_groups + 1) // 2
@@ -243,23 +220,23 @@ def _gemm_claimed(kernels, qtype, other, packed, q, out, col0, claims, phase, n_
         upto = kv_first + (kv_end - kv_first) * hi // n_pairs
         _prefetch_kv_pairs(k_pool, v_pool, slots, positions, asked, upto)
         asked = max(asked, upto)
-        _matrix_groups(kernels, qtype, packed, q, other, out, col0, 2 * lo, min(n_groups, 2 * hi))
+        gemm_call.call_gemm(gemm, qtype, packed, xq, q[1], xs, out, 2 * lo, min(n_groups, 2 * hi), col0)
     _prefetch_kv_pairs(k_pool, v_pool, slots, positions, asked, kv_end)
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
-def _gemm_phases(kernels, q, qtype, packed, out, claims, phase, sync, t, n_threads, spin_limit, kv):
+def _gemm_phases(gemm, q, qtype, packed, out, claims, phase, sync, t, n_threads, spin_limit, kv):
     """A team's matmul of an input every member has quantized its part of into q (xq, xd, xs, ..): meet, then
     claim chunks of the weight groups and meet again (out is whole after it), asking for kv's keys and values
     between chunks (`_gemm_claimed`). False when the team was given up at a barrier: leave the region then."""
     if not team.barrier(sync, t, n_threads, spin_limit):
         return False
-    _gemm_claimed(kernels, qtype, False, packed, q, out, 0, claims, phase, n_threads, kv)
+    _gemm_claimed(gemm, qtype, False, packed, q, out, 0, claims, phase, n_threads, kv)
     return team.barrier(sync, t, n_threads, spin_limit)
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
-def _layer_matmuls(kernels, q, li, m_lo, m_hi, qtypes, cols, flips, w_layer, out, claims, sync, t, n_threads,
+def _layer_matmuls(gemm, q, li, m_lo, m_hi, qtypes, cols, flips, w_layer, out, claims, sync, t, n_threads,
                    spin_limit, kv):
     """A layer's matrices m_lo .. m_hi - 1 (one phase: q, k and v, or gate and up, or one) times the input the
     members quantized into q with the first one's flip, each into its columns of out: meet, claim chunks of one
@@ -272,7 +249,7 @@ def _layer_matmuls(kernels, q, li, m_lo, m_hi, qtypes, cols, flips, w_layer, out
         packed = w_layer[m]
         if packed.shape[0] == 0:
             continue
-        _gemm_claimed(kernels, qtypes[li, m], flips[li, m] != flips[li, m_lo], packed, q, out, cols[li, m], claims,
+        _gemm_claimed(gemm, qtypes[li, m], flips[li, m] != flips[li, m_lo], packed, q, out, cols[li, m], claims,
                       _PHASES * li + m, n_threads, run)
         run = (kv[0], kv[1], kv[2], kv[3], kv[5], kv[5])  # asked for once
     return team.barrier(sync, t, n_threads, spin_limit)
@@ -295,7 +272,7 @@ def _quantized(n_seqs, width, other, halves):
 
 
 @numba.njit(parallel=True, cache=True, nogil=True, error_model="numpy")
-def _team_layers(kernels, n_threads, spin_limit, sync, claims, part_claims, x, h, qtypes, cols, flips, weights, ffn_norms,
+def _team_layers(gemm, n_threads, spin_limit, sync, claims, part_claims, x, h, qtypes, cols, flips, weights, ffn_norms,
                  next_norms, eps, k_pools, v_pools, slots, positions, cos_table, sin_table, scale, first_item,
                  per_subgroup, n_subgroups, max_splits, part_max, part_sum, part_acc, qkv, attn, o, gate_up, ff, d, q_d,
                  q_a, q_f, out_qtype, out_packed, out_flip, logits):
@@ -310,7 +287,7 @@ def _team_layers(kernels, n_threads, spin_limit, sync, claims, part_claims, x, h
     u = team.unowned
     for t in numba.prange(n_threads):
         # np.int64(t): one compiled `_team_member`, not two (see ops._njit_parallel).
-        _team_member(kernels, np.int64(t), n_threads, spin_limit, u(sync), u(claims), u(part_claims), u(x), u(h),
+        _team_member(gemm, np.int64(t), n_threads, spin_limit, u(sync), u(claims), u(part_claims), u(x), u(h),
                      u(qtypes), u(cols), u(flips), weights, u(ffn_norms), u(next_norms), eps, k_pools, v_pools,
                      u(slots), u(positions), u(cos_table), u(sin_table), scale, u(first_item), per_subgroup,
                      n_subgroups, max_splits, u(part_max), u(part_sum), u(part_acc), u(qkv), u(attn), u(o), u(gate_up),
@@ -321,7 +298,7 @@ def _team_layers(kernels, n_threads, spin_limit, sync, claims, part_claims, x, h
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
-def _team_member(kernels, t, n_threads, spin_limit, sync, claims, part_claims, x, h, qtypes, cols, flips, weights,
+def _team_member(gemm, t, n_threads, spin_limit, sync, claims, part_claims, x, h, qtypes, cols, flips, weights,
                  ffn_norms, next_norms, eps, k_pools, v_pools, slots, positions, cos_table, sin_table, scale, first_item,
                  per_subgroup, n_subgroups, max_splits, part_max, part_sum, part_acc, qkv, attn, o, gate_up, ff, d, q_d,
                  q_a, q_f, out_qtype, out_packed, out_flip, logits):
@@ -364,7 +341,7 @@ def _team_member(kernels, t, n_threads, spin_limit, sync, claims, part_claims, x
         w_layer = (u(weights[Q][li]), u(weights[K][li]), u(weights[V][li]), u(weights[OUT][li]),
                    u(weights[GATE][li]), u(weights[UP][li]), u(weights[DOWN][li]))
         this_kv = (k_pool, v_pool, slots, positions, kv_lo, kv_hi)
-        if not _layer_matmuls(kernels, q_d, li, Q, V + 1, qtypes, cols, flips, w_layer, qkv, claims, sync, t,
+        if not _layer_matmuls(gemm, q_d, li, Q, V + 1, qtypes, cols, flips, w_layer, qkv, claims, sync, t,
                               n_threads, spin_limit, this_kv):
             break
         while True:  # items differ in length (each sequence its own context): claimed one by one
@@ -382,11 +359,11 @@ def _team_member(kernels, t, n_threads, spin_limit, sync, claims, part_claims, x
             if max_splits > 1:
                 ops._merge_split_rows(positions, part_max, part_sum, part_acc, attn, r_lo, r_hi)
             _quantize_rows(attn_rows, q_a, flips[li, OUT], r_lo, r_hi)
-        if not _layer_matmuls(kernels, q_a, li, OUT, OUT + 1, qtypes, cols, flips, w_layer, o, claims, sync, t,
+        if not _layer_matmuls(gemm, q_a, li, OUT, OUT + 1, qtypes, cols, flips, w_layer, o, claims, sync, t,
                               n_threads, spin_limit, no_kv):
             break
         _add_rmsnorm_quantize_rows(x, o, ffn_norms[li], eps, h, q_d, flips[li, GATE], r_lo, r_hi)
-        if not _layer_matmuls(kernels, q_d, li, GATE, UP + 1, qtypes, cols, flips, w_layer, gate_up, claims, sync, t,
+        if not _layer_matmuls(gemm, q_d, li, GATE, UP + 1, qtypes, cols, flips, w_layer, gate_up, claims, sync, t,
                               n_threads, spin_limit, no_kv):
             break
         # The down matmul's input: the SwiGLU of gate|up, computed block by block as it is quantized.
@@ -394,23 +371,24 @@ def _team_member(kernels, t, n_threads, spin_limit, sync, claims, part_claims, x
         # The down matmul asks for this member's share of the next layer's keys and values as it goes.
         next_kv = no_kv if li + 1 == n_layers else (u(k_pools[li + 1]), u(v_pools[li + 1]), slots, positions,
                                                      kv_lo, kv_hi)
-        if not _layer_matmuls(kernels, q_f, li, DOWN, DOWN + 1, qtypes, cols, flips, w_layer, d, claims, sync, t,
+        if not _layer_matmuls(gemm, q_f, li, DOWN, DOWN + 1, qtypes, cols, flips, w_layer, d, claims, sync, t,
                               n_threads, spin_limit, next_kv):
             break
         _add_rmsnorm_quantize_rows(x, d, next_norms[li], eps, h, q_d,
                                    out_flip if li + 1 == n_layers else flips[li + 1, Q], r_lo, r_hi)
-    _gemm_phases(kernels, q_d, out_qtype, out_packed, logits, claims, _PHASES * n_layers, sync, t, n_threads,
+    _gemm_phases(gemm, q_d, out_qtype, out_packed, logits, claims, _PHASES * n_layers, sync, t, n_threads,
                  spin_limit, no_kv)
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
 def _team_step(n_threads, spin_limit, tokens, embd_qtype, embd_data, first_norm, out_qtype, out_packed, out_rows,
-               out_flip, kernels, extras, qtypes, rows, cols, flips, weights, ffn_norms, next_norms, eps, k_pools,
+               out_flip, gemm, extras, qtypes, rows, cols, flips, weights, ffn_norms, next_norms, eps, k_pools,
                v_pools, slots, positions, n_rot, freq_base, freq_scale, scale, n_q_heads):
     """The whole decode step (the rotation's angles, embedding rows, the first norm, the layers and the output
     matrix) by a team of n_threads in one parallel region (`_team_layers`). Returns (logits (B, out_rows),
     completed): not completed when the team was given up (a member never reached a barrier); a team of one,
-    run again, then rewrites every cache row this one may have written, with the same values."""
+    run again, then rewrites every cache row this one may have written, with the same values. gemm: the address
+    of the matmuls' kernels (`gemm_call.gemm_address`)."""
     n_seqs = tokens.shape[0]
     for t in range(n_seqs):
         if tokens[t] < 0 or tokens[t] >= embd_data.shape[0]:
@@ -443,7 +421,7 @@ def _team_step(n_threads, spin_limit, tokens, embd_qtype, embd_data, first_norm,
     n_layers = len(weights[Q])
     claims = team.new_claims(_PHASES * n_layers + 1)
     part_claims = team.new_part_claims(n_layers, n_threads)  # the layers' attention items
-    _team_layers(kernels, n_threads, spin_limit, sync, claims, part_claims, x, h, qtypes, cols, flips, weights,
+    _team_layers(gemm, n_threads, spin_limit, sync, claims, part_claims, x, h, qtypes, cols, flips, weights,
                  ffn_norms, next_norms, eps, k_pools, v_pools, slots, positions, cos_table, sin_table, scale,
                  first_item, per_subgroup, n_subgroups, max_splits, part_max, part_sum, part_acc,
                  np.empty((n_seqs, qkv_rows), dtype=np.float32),
@@ -482,8 +460,9 @@ class DecodePlan:
     ffn_norms: np.ndarray  # float32 (L, D)
     next_norms: np.ndarray  # float32 (L, D): the next layer's attention norm, the output norm after the last
     head_dim: int
-    # None where every matrix takes int8dot's kernels, True where some take int8k's (`_matrix_groups`).
-    kernels: bool | None = None
+    # Whether some matrix takes int8k's kernels, not int8dot's (the step then calls the gemm of every type:
+    # `gemm_call.gemm_address`).
+    k_quants: bool = False
     # int64 (4,): which quantized inputs carry extras (`EXTRA_OTHER` ..), all 0 for a plan of one flip and no
     # halves' sums.
     extras: np.ndarray = field(default_factory=lambda: np.zeros(4, dtype=np.int64))
@@ -494,7 +473,7 @@ class DecodePlan:
         """Whether `decode_layers` (the layers alone, matmul by matmul) can run this plan: int8dot's types, q|k|v
         and gate|up stacked, one flip a phase's input. Other plans run as whole steps only."""
         empty = self.rows[:, [K, V, UP]]
-        return self.kernels is None and not empty.any() and not self.extras.any()
+        return not self.k_quants and not empty.any() and not self.extras.any()
 
 
 def _kernel_of(w: Any) -> tuple[int, np.int32]:
@@ -572,7 +551,7 @@ def build_plan(blocks: list[Any], output_norm: np.ndarray, head_dim: int, int8: 
         ends is None or output.qtype in int8dot.INT8_TYPES)
     plan = DecodePlan(
         ends=ends, qtypes=qtypes, rows=rows, cols=cols, flips=flips, weights=lists, extras=extras,
-        kernels=None if all_int8dot else True,
+        k_quants=not all_int8dot,
         ffn_norms=np.stack([np.asarray(blk.ffn_norm, dtype=np.float32) for blk in blocks]),
         next_norms=np.stack([np.asarray(b.attn_norm, dtype=np.float32) for b in blocks[1:]]
                             + [np.asarray(output_norm, dtype=np.float32)]),
@@ -639,7 +618,8 @@ def step_args(plan: DecodePlan, tokens: np.ndarray, eps: float, k_pools: Any, v_
     ops._check_n_rot(n_rot, plan.head_dim)
     # The angle tables are made inside the compiled step: this Python runs cache-cold after every step.
     return (np.ascontiguousarray(tokens, dtype=np.int64), ends.embd_qtype, ends.embd_data, ends.first_norm,
-            ends.out_qtype, ends.out_packed, ends.out_rows, ends.out_flip, plan.kernels, plan.extras, plan.qtypes,
+            ends.out_qtype, ends.out_packed, ends.out_rows, ends.out_flip,
+            gemm_call.gemm_address(plan.k_quants), plan.extras, plan.qtypes,
             plan.rows, plan.cols, plan.flips, plan.weights, plan.ffn_norms, plan.next_norms, float(eps),
             k_pools, v_pools, np.asarray(slots, dtype=np.int32), np.asarray(positions, dtype=np.int32), n_rot,
             float(freq_base), float(freq_scale), float(scale), n_q_heads)
