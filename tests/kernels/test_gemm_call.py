@@ -44,10 +44,10 @@ def test_the_call_by_address_gives_the_matmuls_bits(qtype: int, k_quants: bool, 
     x = activations(batch, 512, seed=batch)
     expected = quant.matmul(w, x, int8=True)
     kernel, (xq, xd, xs) = _quantized(w, x)
-    col0 = 16
+    col0, address = 16, int8k.gemm_address() if k_quants else int8dot.gemm_address()
     for step in (1, 2, 5):
         out = np.full((batch, col0 + 48 + 8), np.nan, dtype=np.float32)
-        _groups_by_address(gemm_call.gemm_address(k_quants), kernel, w.int8_packed, xq, xd, xs, out, col0, step)
+        _groups_by_address(address, kernel, w.int8_packed, xq, xd, xs, out, col0, step)
         assert np.array_equal(out[:, col0 : col0 + 44], expected), step
         assert np.isnan(out[:, :col0]).all() and np.isnan(out[:, col0 + 48 :]).all()
 
@@ -57,5 +57,5 @@ def test_a_strided_array_is_refused_when_compiled() -> None:
     kernel, (xq, xd, xs) = _quantized(w, activations(2, 64))
     out = np.zeros((2, 16), dtype=np.float32)[:, ::2]  # not C-contiguous
     with pytest.raises(errors.TypingError, match="out must be a 2-d C-contiguous"):
-        _groups_by_address(gemm_call.gemm_address(False), kernel, w.int8_packed, xq, xd, xs, out, 0, 1)
+        _groups_by_address(int8dot.gemm_address(), kernel, w.int8_packed, xq, xd, xs, out, 0, 1)
 

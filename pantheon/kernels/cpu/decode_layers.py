@@ -62,29 +62,30 @@ _PHASES = 7
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
-def _matmul(qtype, packed, rows, x, flip, n_chunks):
+def _matmul(gemm, qtype, packed, rows, x, flip, n_chunks):
     out = np.empty((x.shape[0], rows), dtype=np.float32)
-    int8dot._matmul(qtype, packed, x, out, flip, n_chunks)
+    int8dot._matmul(gemm, qtype, packed, x, out, flip, n_chunks)
     return out
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
-def _layers(x, h, qtypes, rows, flips, w_qkv, w_out, w_gate_up, w_down, ffn_norms, next_norms, eps, k_pools,
+def _layers(gemm, x, h, qtypes, rows, flips, w_qkv, w_out, w_gate_up, w_down, ffn_norms, next_norms, eps, k_pools,
             v_pools, slots, positions, cos_table, sin_table, scale, n_q_heads, n_chunks):
-    """The layers one matmul at a time, for plans of stacked q|k|v and gate|up matrices of int8dot's types."""
+    """The layers one matmul at a time, for plans of stacked q|k|v and gate|up matrices of int8dot's types (gemm:
+    `int8dot.gemm_address`)."""
     n_seqs = x.shape[0]
     head_dim = k_pools[0].shape[3]
     for li in range(len(w_qkv)):
-        qkv = _matmul(qtypes[li, Q], w_qkv[li], rows[li, Q], h, flips[li, Q], n_chunks)
+        qkv = _matmul(gemm, qtypes[li, Q], w_qkv[li], rows[li, Q], h, flips[li, Q], n_chunks)
         attn = np.empty((n_seqs, n_q_heads, head_dim), dtype=np.float32)
         ops._attention_decode_qkv_kernel(qkv, False, cos_table, sin_table, k_pools[li], v_pools[li], slots,
                                          positions, scale, attn)
-        o = _matmul(qtypes[li, OUT], w_out[li], rows[li, OUT], attn.reshape(n_seqs, n_q_heads * head_dim),
+        o = _matmul(gemm, qtypes[li, OUT], w_out[li], rows[li, OUT], attn.reshape(n_seqs, n_q_heads * head_dim),
                     flips[li, OUT], n_chunks)
         ops._add_rmsnorm_rows(x, o, ffn_norms[li], eps, h)
-        ff = ops._swiglu_stacked_rows(_matmul(qtypes[li, GATE], w_gate_up[li], rows[li, GATE], h, flips[li, GATE],
-                                     n_chunks))
-        d = _matmul(qtypes[li, DOWN], w_down[li], rows[li, DOWN], ff, flips[li, DOWN], n_chunks)
+        gate_up = _matmul(gemm, qtypes[li, GATE], w_gate_up[li], rows[li, GATE], h, flips[li, GATE], n_chunks)
+        ff = ops._swiglu_stacked_rows(gate_up)
+        d = _matmul(gemm, qtypes[li, DOWN], w_down[li], rows[li, DOWN], ff, flips[li, DOWN], n_chunks)
         ops._add_rmsnorm_rows(x, d, next_norms[li], eps, h)
 
 
@@ -189,7 +190,7 @@ def _prefetch_kv_pairs(k_pool, v_pool, slots, positions, first, end):
 def _gemm_claimed(gemm, qtype, other, packed, q, out, col0, claims, phase, n_threads, kv):
     """This member's part of a matmul the team shares out by claiming chunks of weight groups (`team.claim_chunk`).
     An output's bits do not depend on who computes it. The smallest chunk is about a microsecond of work. gemm:
-    the address of the kernels' gemm (`gemm_call.gemm_address`); other: the matrix reads q's other-flip bytes.
+    the address of the kernels' gemm (`int8dot.gemm_address`, `int8k.gemm_address`); other: the matrix reads q's other-flip bytes.
 
     kv = (k_pool, v_pool, slots, positions, first, end): between its chunks the member also asks for the keys
     and values of (sequence, kv head) pairs first .. end - 1 (`_prefetch_kv_pairs`), in step with the matmul's
@@ -388,7 +389,7 @@ def _team_step(n_threads, spin_limit, tokens, embd_qtype, embd_data, first_norm,
     matrix) by a team of n_threads in one parallel region (`_team_layers`). Returns (logits (B, out_rows),
     completed): not completed when the team was given up (a member never reached a barrier); a team of one,
     run again, then rewrites every cache row this one may have written, with the same values. gemm: the address
-    of the matmuls' kernels (`gemm_call.gemm_address`)."""
+    of the matmuls' kernels (`int8dot.gemm_address`, `int8k.gemm_address`)."""
     n_seqs = tokens.shape[0]
     for t in range(n_seqs):
         if tokens[t] < 0 or tokens[t] >= embd_data.shape[0]:
@@ -461,7 +462,7 @@ class DecodePlan:
     next_norms: np.ndarray  # float32 (L, D): the next layer's attention norm, the output norm after the last
     head_dim: int
     # Whether some matrix takes int8k's kernels, not int8dot's (the step then calls the gemm of every type:
-    # `gemm_call.gemm_address`).
+    # `int8k.gemm_address`).
     k_quants: bool = False
     # int64 (4,): which quantized inputs carry extras (`EXTRA_OTHER` ..), all 0 for a plan of one flip and no
     # halves' sums.
@@ -587,8 +588,9 @@ def decode_layers(plan: DecodePlan, x: np.ndarray, h: np.ndarray, eps: float, k_
         raise ValueError("this plan runs as whole decode steps only")
     slots, positions, cos_table, sin_table = _rows(plan.head_dim, slots, positions, n_rot, freq_base, freq_scale)
     w = plan.weights
-    _layers(x, h, plan.qtypes, plan.rows, plan.flips, w[Q], w[OUT], w[GATE], w[DOWN], plan.ffn_norms, plan.next_norms, float(eps), k_pools, v_pools, slots, positions, cos_table,
-            sin_table, float(scale), n_q_heads, 4 * threads)
+    _layers(int8dot.gemm_address(), x, h, plan.qtypes, plan.rows, plan.flips, w[Q], w[OUT], w[GATE], w[DOWN],
+            plan.ffn_norms, plan.next_norms, float(eps), k_pools, v_pools, slots, positions, cos_table, sin_table,
+            float(scale), n_q_heads, 4 * threads)
 
 
 def _team_size(threads: int) -> int:
@@ -619,7 +621,7 @@ def step_args(plan: DecodePlan, tokens: np.ndarray, eps: float, k_pools: Any, v_
     # The angle tables are made inside the compiled step: this Python runs cache-cold after every step.
     return (np.ascontiguousarray(tokens, dtype=np.int64), ends.embd_qtype, ends.embd_data, ends.first_norm,
             ends.out_qtype, ends.out_packed, ends.out_rows, ends.out_flip,
-            gemm_call.gemm_address(plan.k_quants), plan.extras, plan.qtypes,
+            int8k.gemm_address() if plan.k_quants else int8dot.gemm_address(), plan.extras, plan.qtypes,
             plan.rows, plan.cols, plan.flips, plan.weights, plan.ffn_norms, plan.next_norms, float(eps),
             k_pools, v_pools, np.asarray(slots, dtype=np.int32), np.asarray(positions, dtype=np.int32), n_rot,
             float(freq_base), float(freq_scale), float(scale), n_q_heads)

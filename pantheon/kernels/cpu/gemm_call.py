@@ -1,30 +1,33 @@
-"""The int8 kernels' gemm compiled on its own, as a C function, which the compiled decode step calls by address.
+"""The int8 kernels' gemm as a C function compiled on its own, which the compiled matmuls call by its address.
 
 numba links a compiled function's callees into it and optimizes and emits the whole again, at every level: the
 decode step (`decode_layers._team_step` -> `_team_layers` -> `_team_member` -> `_layer_matmuls` ->
-`_gemm_claimed`) carried every row-dot kernel of every weight type it took, compiled five times over. A cold
-decode step of a Q4_K_M file compiled for ~111 s on the 2-core Zen 4 VM, the default model's (int8dot's
-kernels alone) for ~64 s (a numba event recorder around a cold load's first decode step, 2026-12-05). Here
-the kernels compile once, in a `cfunc` cached on disk like every kernel, and the step holds a pointer to it:
-one compiled step for every model, its cost no longer growing with the kernels' (then ~64 s for the Q4_K_M
-file and ~53 s for the default model, both cfuncs included). A call costs nothing measurable beside its work
-(a claimed chunk of weight groups, a microsecond or more).
+`_gemm_claimed`) carried every row-dot kernel of every weight type it took, compiled five times over, and the
+prefill's matmul (`int8k._matmul` -> its parallel gemm) twice more. A cold decode step of a Q4_K_M file compiled
+for ~111 s on the 2-core Zen 4 VM, the default model's (int8dot's kernels alone) for ~64 s (a numba event
+recorder around a cold load's first decode step, 2026-12-05). Each kernel module now compiles its gemm once,
+as a `cfunc` cached on disk like every kernel (`int8dot.gemm_address`: its types; `int8k.gemm_address`: every
+int8 type), and the compiled matmuls hold its address: one compiled decode step and one parallel gemm
+(`int8dot.gemm_chunks`) for every model, their cost no longer growing with the kernels'. A call costs nothing
+measurable beside its work (a chunk of weight groups, a microsecond or more).
+
+`_GEMM` is the C signature, `compile_gemm` makes the C function of a module's Python one, and `call_gemm` is the
+call: an intrinsic passing the arrays' data pointers and shapes, which the function rebuilds (`numba.carray`)
+to run the same compiled kernels as before: the same bits.
 
 (The embedding's dequantization went the same way in a trial, and gained nothing: its cfunc compiled
-`quant._deq_row` for as long as the step saved.)
+`quant._deq_row` for as long as the decode step saved.)
 """
 
 from __future__ import annotations
 
-import functools
+from typing import Any
 
 import numba
 from llvmlite import ir
 from numba import types
 from numba.core import errors
 from numba.extending import intrinsic
-
-from pantheon.kernels.cpu import int8dot, int8k
 
 _U8P, _I8P, _F32P = types.CPointer(types.uint8), types.CPointer(types.int8), types.CPointer(types.float32)
 _I64 = types.int64
@@ -34,37 +37,15 @@ _GEMM = types.void(_I64, _U8P, _I64, _I64, _I8P, _I64, _I64, _F32P, _I64, _F32P,
                    _I64)
 
 
-def _int8dot_groups(qtype, packed, n_groups, group_bytes, xq, n_rows, width, xd, xd_cols, xs, xs_cols, out,  # type: ignore[no-untyped-def]
-                    out_rows, out_cols, g_lo, g_hi, col0):
-    """Groups g_lo .. g_hi - 1 on int8dot's kernels (Q4_1, Q8_0)."""
-    int8dot._gemm_groups(qtype, numba.carray(packed, (n_groups, group_bytes)), numba.carray(xq, (n_rows, width)),
-                         numba.carray(xd, (n_rows, xd_cols)), numba.carray(xs, (n_rows, xs_cols)),
-                         numba.carray(out, (out_rows, out_cols)), g_lo, g_hi, col0)
-
-
-def _any_groups(qtype, packed, n_groups, group_bytes, xq, n_rows, width, xd, xd_cols, xs, xs_cols, out,  # type: ignore[no-untyped-def]
-                out_rows, out_cols, g_lo, g_hi, col0):
-    """Groups g_lo .. g_hi - 1 on the kernels of their type, int8dot's or int8k's (`int8k.kernel_qtype`)."""
-    w = numba.carray(packed, (n_groups, group_bytes))
-    a, ad = numba.carray(xq, (n_rows, width)), numba.carray(xd, (n_rows, xd_cols))
-    s, o = numba.carray(xs, (n_rows, xs_cols)), numba.carray(out, (out_rows, out_cols))
-    if qtype == int8dot.Q4_1 or qtype == int8dot.Q8_0:
-        int8dot._gemm_groups(qtype, w, a, ad, s, o, g_lo, g_hi, col0)
-    else:
-        int8k._gemm_groups(qtype, w, a, ad, s, o, g_lo, g_hi, col0)
-
-
-@functools.cache
-def gemm_address(k_quants: bool) -> int:
-    """The address of the gemm of int8dot's types alone (k_quants False: less to compile), or of every int8 type;
-    compiled (or loaded from the kernel cache) on first use."""
-    function = _any_groups if k_quants else _int8dot_groups
+def compile_gemm(function: Any) -> int:
+    """The address of `function`, a Python function of the signature `_GEMM` (a kernel module's gemm over raw
+    pointers: `int8dot.gemm_address`, `int8k.gemm_address`), compiled as a C function and cached on disk."""
     return numba.cfunc(_GEMM, cache=True, error_model="numpy")(function).address
 
 
 @intrinsic
 def call_gemm(typingctx, address, qtype, packed, xq, xd, xs, out, g_lo, g_hi, col0):  # type: ignore[no-untyped-def]
-    """The function at `address` (`gemm_address`) on weight groups g_lo .. g_hi - 1 of packed against every row
+    """The function at `address` (`compile_gemm`) on weight groups g_lo .. g_hi - 1 of packed against every row
     of the quantized input (xq, xd, xs), their outputs from column col0 of out. xs: the halves' sums where the
     kernel type reads those (`int8k._activations`). Every array 2-d and C-contiguous: the call passes each one's
     data pointer and shape in the C signature `_GEMM`, and the function rebuilds it (`numba.carray`)."""

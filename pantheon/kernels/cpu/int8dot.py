@@ -50,7 +50,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from pantheon.kernels.cpu import HOST_CPU_FEATURES
+from pantheon.kernels.cpu import HOST_CPU_FEATURES, gemm_call
 from pantheon.kernels.cpu.llvm_ir import call, fma, splat
 
 __all__ = ["INT8_ISA", "INT8_TYPES", "matmul", "pack_weight", "quantize_rows"]
@@ -664,21 +664,37 @@ def _gemm_groups(qtype, packed, xq, xd, xs, out, g_lo, g_hi, col0):
         _group_rows(False, qtype, packed, g, xq, xd, xs, out, col0)
 
 
+def _gemm_groups_c(qtype, packed, n_groups, group_bytes, xq, n_rows, width, xd, xd_cols, xs, xs_cols, out,  # type: ignore[no-untyped-def]
+                   out_rows, out_cols, g_lo, g_hi, col0):
+    """`_gemm_groups` over raw pointers and shapes (`gemm_call._GEMM`), compiled as a C function."""
+    _gemm_groups(qtype, numba.carray(packed, (n_groups, group_bytes)), numba.carray(xq, (n_rows, width)),
+                 numba.carray(xd, (n_rows, xd_cols)), numba.carray(xs, (n_rows, xs_cols)),
+                 numba.carray(out, (out_rows, out_cols)), g_lo, g_hi, col0)
+
+
+@functools.cache
+def gemm_address() -> int:
+    """The address of `_gemm_groups` as a C function, compiled (or loaded from the kernel cache) on first use: the
+    compiled matmuls (`gemm_chunks`, the decode step) call it by that address (`gemm_call`), so its kernels are
+    compiled once, not once into each of them."""
+    return gemm_call.compile_gemm(_gemm_groups_c)
+
+
 @numba.njit(parallel=True, **_KERNEL)
-def _gemm_int8(qtype, packed, xq, xd, xs, out, n_chunks):
-    """out[b, n] = row_dot(W[n], x[b]) for every pair; groups of 8 weight rows split into about n_chunks chunks
-    over the threads."""
+def gemm_chunks(gemm, qtype, packed, xq, xd, xs, out, n_chunks):
+    """out[b, n] = row_dot(W[n], x[b]) for every pair, by the gemm at address `gemm` (`gemm_address` here, or
+    int8k's); groups of 8 weight rows split into about n_chunks chunks over the threads."""
     n_groups = packed.shape[0]
     chunk = (n_groups + n_chunks - 1) // n_chunks
     chunk += chunk % 2  # whole pairs of groups for the wide kernels
     for c in numba.prange((n_groups + chunk - 1) // chunk):
-        _gemm_groups(qtype, packed, xq, xd, xs, out, c * chunk, min(n_groups, (c + 1) * chunk), 0)
+        gemm_call.call_gemm(gemm, qtype, packed, xq, xd, xs, out, c * chunk, min(n_groups, (c + 1) * chunk), 0)
 
 
 @numba.njit(**_KERNEL)
-def _matmul(qtype, packed, x, out, flip, n_chunks):
+def _matmul(gemm, qtype, packed, x, out, flip, n_chunks):
     xq, xd, xs = _quantize(x, flip)
-    _gemm_int8(qtype, packed, xq, xd, xs, out, n_chunks)
+    gemm_chunks(gemm, qtype, packed, xq, xd, xs, out, n_chunks)
 
 
 def matmul(qtype: int, packed: np.ndarray, x: np.ndarray, out: np.ndarray, threads: int | None = None) -> None:
@@ -688,7 +704,7 @@ def matmul(qtype: int, packed: np.ndarray, x: np.ndarray, out: np.ndarray, threa
     (numba.get_num_threads costs 0.75 us, ~0.1 ms of a decode step's 120 matmuls)."""
     n_chunks = 4 * (threads or numba.get_num_threads())
     qtype = kernel_qtype(qtype)
-    _matmul(qtype, packed, x, out, _flip(qtype, INT8_ISA), n_chunks)
+    _matmul(gemm_address(), qtype, packed, x, out, _flip(qtype, INT8_ISA), n_chunks)
 
 
 def serial_gemm(dot: Any) -> Any:

@@ -47,7 +47,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from pantheon.kernels.cpu import int8dot
+from pantheon.kernels.cpu import gemm_call, int8dot
 from pantheon.kernels.cpu.int8dot import LANES, QK
 from pantheon.kernels.cpu.llvm_ir import call, fma, splat
 
@@ -675,14 +675,24 @@ def _gemm_groups(qtype, packed, xq, xd, xs, out, g_lo, g_hi, col0):
         _group_rows(False, qtype, packed, g, xq, xd, xs, out, col0)
 
 
-@numba.njit(parallel=True, **_KERNEL)
-def _gemm(qtype, packed, xq, xd, xs, out, n_chunks):
-    """Groups of 8 weight rows split into about n_chunks chunks over the threads."""
-    n_groups = packed.shape[0]
-    chunk = (n_groups + n_chunks - 1) // n_chunks
-    chunk += chunk % 2  # whole pairs of groups for the wide kernels
-    for c in numba.prange((n_groups + chunk - 1) // chunk):
-        _gemm_groups(qtype, packed, xq, xd, xs, out, c * chunk, min(n_groups, (c + 1) * chunk), 0)
+def _any_groups_c(qtype, packed, n_groups, group_bytes, xq, n_rows, width, xd, xd_cols, xs, xs_cols, out,  # type: ignore[no-untyped-def]
+                  out_rows, out_cols, g_lo, g_hi, col0):
+    """`_gemm_groups`, or int8dot's for its types (Q4_1, Q8_0), over raw pointers and shapes (`gemm_call._GEMM`),
+    compiled as a C function."""
+    w = numba.carray(packed, (n_groups, group_bytes))
+    a, ad = numba.carray(xq, (n_rows, width)), numba.carray(xd, (n_rows, xd_cols))
+    s, o = numba.carray(xs, (n_rows, xs_cols)), numba.carray(out, (out_rows, out_cols))
+    if qtype == int8dot.Q4_1 or qtype == int8dot.Q8_0:
+        int8dot._gemm_groups(qtype, w, a, ad, s, o, g_lo, g_hi, col0)
+    else:
+        _gemm_groups(qtype, w, a, ad, s, o, g_lo, g_hi, col0)
+
+
+@functools.cache
+def gemm_address() -> int:
+    """The address of the gemm of every int8 kernel type (`kernel_qtype`, and int8dot's) as a C function, compiled
+    (or loaded from the kernel cache) on first use (`int8dot.gemm_address`)."""
+    return gemm_call.compile_gemm(_any_groups_c)
 
 
 @numba.njit(**_KERNEL)
@@ -711,15 +721,15 @@ def _activations(qtype, x, unsigned):
 
 
 @numba.njit(**_KERNEL)
-def _matmul(qtype, packed, x, out, n_chunks):
+def _matmul(gemm, qtype, packed, x, out, n_chunks):
     xq, xd, xs = _activations(qtype, x, _UNSIGNED)
-    _gemm(qtype, packed, xq, xd, xs, out, n_chunks)
+    int8dot.gemm_chunks(gemm, qtype, packed, xq, xd, xs, out, n_chunks)
 
 
 def matmul(qtype: int, packed: np.ndarray, x: np.ndarray, out: np.ndarray, threads: int | None = None) -> None:
     """out = x @ W.T with x quantized to int8 blocks first; W of a type of `TYPES`, its rows as `pack_weight` left
     them."""
-    _matmul(kernel_qtype(qtype), packed, x, out, 4 * (threads or numba.get_num_threads()))
+    _matmul(gemm_address(), kernel_qtype(qtype), packed, x, out, 4 * (threads or numba.get_num_threads()))
 
 
 @functools.cache
