@@ -190,7 +190,8 @@ def _prefetch_kv_pairs(k_pool, v_pool, slots, positions, first, end):
 def _gemm_claimed(gemm, qtype, other, packed, q, out, col0, claims, phase, n_threads, kv):
     """This member's part of a matmul the team shares out by claiming chunks of weight groups (`team.claim_chunk`).
     An output's bits do not depend on who computes it. The smallest chunk is about a microsecond of work. gemm:
-    the address of the kernels' gemm (`int8dot.gemm_address`, `int8k.gemm_address`); other: the matrix reads q's other-flip bytes.
+    the address of the kernels' gemm (`int8dot.gemm_address`, `int8k.gemm_address`); other: the matrix reads
+    q's other-flip bytes.
 
     kv = (k_pool, v_pool, slots, positions, first, end): between its chunks the member also asks for the keys
     and values of (sequence, kv head) pairs first .. end - 1 (`_prefetch_kv_pairs`), in step with the matmul's

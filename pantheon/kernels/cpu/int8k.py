@@ -675,8 +675,9 @@ def _gemm_groups(qtype, packed, xq, xd, xs, out, g_lo, g_hi, col0):
         _group_rows(False, qtype, packed, g, xq, xd, xs, out, col0)
 
 
-def _any_groups_c(qtype, packed, n_groups, group_bytes, xq, n_rows, width, xd, xd_cols, xs, xs_cols, out,  # type: ignore[no-untyped-def]
-                  out_rows, out_cols, g_lo, g_hi, col0):
+def _any_groups_c(  # type: ignore[no-untyped-def]
+        qtype, packed, n_groups, group_bytes, xq, n_rows, width, xd, xd_cols, xs, xs_cols, out, out_rows, out_cols,
+        g_lo, g_hi, col0):
     """`_gemm_groups`, or int8dot's for its types (Q4_1, Q8_0), over raw pointers and shapes (`gemm_call._GEMM`),
     compiled as a C function."""
     w = numba.carray(packed, (n_groups, group_bytes))
