@@ -53,13 +53,10 @@ def cycle_count():
 """
 
 
-# (old, new) in decode_layers's source: prof passed from _team_step through _team_layers to _team_member.
+# (old, new) in decode_layers's source: prof passed from _team_step to _team_member.
 _SIGNATURES = [
-    ("out_flip, logits):\n    \"\"\"`_layers` and", "out_flip, logits, prof):\n    \"\"\"`_layers` and"),
     ("out_flip,\n                     u(logits))", "out_flip,\n                     u(logits), prof)"),
     ("out_flip, logits):\n    \"\"\"Member t's", "out_flip, logits, prof):\n    \"\"\"Member t's"),
-    ("out_qtype, out_packed, out_flip, logits)\n    return logits,",
-     "out_qtype, out_packed, out_flip, logits, prof)\n    return logits,"),
     ("scale, n_q_heads):\n    \"\"\"The whole decode step",
      "scale, n_q_heads, prof):\n    \"\"\"The whole decode step"),
 ]

@@ -55,7 +55,7 @@ log = logging.getLogger("pantheon.kernels")
 # `weights` lists. Where q, k and v have one type they are stacked at load into one matrix (LlamaBlock.w_qkv) that
 # stands as Q, K and V then empty (no rows); gate and up likewise as GATE.
 Q, K, V, OUT, GATE, UP, DOWN = range(7)
-# Claimed phases of a layer in `_team_layers`: one a matrix, phase _PHASES * layer + its column above; the
+# Claimed phases of a layer in `_team_step`: one a matrix, phase _PHASES * layer + its column above; the
 # output matmul is phase _PHASES * n_layers. (The attention's items are claimed part by part, from
 # `part_claims`, a row per layer.)
 _PHASES = 7
@@ -273,39 +273,14 @@ def _quantized(n_seqs, width, other, halves):
             np.empty((n_seqs, width // 16 if halves else 0), dtype=np.float32))
 
 
-@numba.njit(parallel=True, cache=True, nogil=True, error_model="numpy")
-def _team_layers(gemm, n_threads, spin_limit, sync, claims, part_claims, x, h, qtypes, cols, flips, weights, ffn_norms,
-                 next_norms, eps, k_pools, v_pools, slots, positions, cos_table, sin_table, scale, first_item,
-                 per_subgroup, n_subgroups, max_splits, part_max, part_sum, part_acc, qkv, attn, o, gate_up, ff, d, q_d,
-                 q_a, q_f, out_qtype, out_packed, out_flip, logits):
-    """`_layers` and the output matmul in one parallel region: iteration t of the prange is member t of the team
-    (`_team_member`). Every value is computed by the same function, with the same arguments, whatever
-    n_threads and whoever computes it: the same bits.
-    q_d / q_a / q_f: (xq, xd, xs, xq_other, xh) buffers for inputs of width D, n_q_heads * head_dim, and the FFN
-    width (`_block_extras`: the last two empty where no matrix reads them). weights: the plan's seven lists.
-
-    Each member gets the shared arrays as views without an owner (`team.unowned`: no reference counting on
-    the words both threads would write, per call below)."""
-    u = team.unowned
-    for t in numba.prange(n_threads):
-        # np.int64(t): one compiled `_team_member`, not two (see ops._njit_parallel).
-        _team_member(gemm, np.int64(t), n_threads, spin_limit, u(sync), u(claims), u(part_claims), u(x), u(h),
-                     u(qtypes), u(cols), u(flips), weights, u(ffn_norms), u(next_norms), eps, k_pools, v_pools,
-                     u(slots), u(positions), u(cos_table), u(sin_table), scale, u(first_item), per_subgroup,
-                     n_subgroups, max_splits, u(part_max), u(part_sum), u(part_acc), u(qkv), u(attn), u(o), u(gate_up),
-                     u(ff), u(d), (u(q_d[0]), u(q_d[1]), u(q_d[2]), u(q_d[3]), u(q_d[4])),
-                     (u(q_a[0]), u(q_a[1]), u(q_a[2]), u(q_a[3]), u(q_a[4])),
-                     (u(q_f[0]), u(q_f[1]), u(q_f[2]), u(q_f[3]), u(q_f[4])), out_qtype, u(out_packed), out_flip,
-                     u(logits))
-
-
 @numba.njit(cache=True, nogil=True, error_model="numpy")
 def _team_member(gemm, t, n_threads, spin_limit, sync, claims, part_claims, x, h, qtypes, cols, flips, weights,
                  ffn_norms, next_norms, eps, k_pools, v_pools, slots, positions, cos_table, sin_table, scale, first_item,
                  per_subgroup, n_subgroups, max_splits, part_max, part_sum, part_acc, qkv, attn, o, gate_up, ff, d, q_d,
                  q_a, q_f, out_qtype, out_packed, out_flip, logits):
-    """Member t's part of `_team_layers`: each phase does its share (`team.span`, or what it claims:
-    `_gemm_claimed`, the attention items) and a barrier separates phases that read what another wrote."""
+    """Member t's part of `_team_step`'s layers and output matmul: each phase does its share (`team.span`, or
+    what it claims: `_gemm_claimed`, the attention items) and a barrier separates phases that read what another
+    wrote."""
     n_seqs = x.shape[0]
     n_items = first_item[n_seqs]
     scale32 = np.float32(scale)
@@ -382,15 +357,26 @@ def _team_member(gemm, t, n_threads, spin_limit, sync, claims, part_claims, x, h
                  spin_limit, no_kv)
 
 
-@numba.njit(cache=True, nogil=True, error_model="numpy")
+@numba.njit(parallel=True, cache=True, nogil=True, error_model="numpy")
 def _team_step(n_threads, spin_limit, tokens, embd_qtype, embd_data, first_norm, out_qtype, out_packed, out_rows,
                out_flip, gemm, extras, qtypes, rows, cols, flips, weights, ffn_norms, next_norms, eps, k_pools,
                v_pools, slots, positions, n_rot, freq_base, freq_scale, scale, n_q_heads):
-    """The whole decode step (the rotation's angles, embedding rows, the first norm, the layers and the output
-    matrix) by a team of n_threads in one parallel region (`_team_layers`). Returns (logits (B, out_rows),
-    completed): not completed when the team was given up (a member never reached a barrier); a team of one,
-    run again, then rewrites every cache row this one may have written, with the same values. gemm: the address
-    of the matmuls' kernels (`int8dot.gemm_address`, `int8k.gemm_address`)."""
+    """The whole decode step: the rotation's angles, embedding rows and the first norm here, then the layers and
+    the output matrix by a team of n_threads in one parallel region, iteration t of its prange member t
+    (`_team_member`). Returns (logits (B, out_rows), completed): not completed when the team was given up (a
+    member never reached a barrier); a team of one, run again, then rewrites every cache row this one may have
+    written, with the same values. Every value is computed by the same function, with the same arguments,
+    whatever n_threads and whoever computes it: the same bits. gemm: the address of the matmuls' kernels
+    (`int8dot.gemm_address`, `int8k.gemm_address`).
+
+    One compiled level, not two (the region was a function of its own, `_team_layers`): numba compiles the
+    region's body again into the function that holds it, so each level above the member recompiled all of it
+    (`gemm_call`); the default model's first decode step compiled ~7 s sooner this way on the 2-core Zen 4 VM.
+
+    The buffers: q_d / q_a / q_f (xq, xd, xs, xq_other, xh) for inputs of width D, n_q_heads * head_dim and the
+    FFN width (`_block_extras`: the last two empty where no matrix reads them). Each member gets the shared
+    arrays as views without an owner (`team.unowned`: no reference counting on the words both threads would
+    write, per call)."""
     n_seqs = tokens.shape[0]
     for t in range(n_seqs):
         if tokens[t] < 0 or tokens[t] >= embd_data.shape[0]:
@@ -423,14 +409,23 @@ def _team_step(n_threads, spin_limit, tokens, embd_qtype, embd_data, first_norm,
     n_layers = len(weights[Q])
     claims = team.new_claims(_PHASES * n_layers + 1)
     part_claims = team.new_part_claims(n_layers, n_threads)  # the layers' attention items
-    _team_layers(gemm, n_threads, spin_limit, sync, claims, part_claims, x, h, qtypes, cols, flips, weights,
-                 ffn_norms, next_norms, eps, k_pools, v_pools, slots, positions, cos_table, sin_table, scale,
-                 first_item, per_subgroup, n_subgroups, max_splits, part_max, part_sum, part_acc,
-                 np.empty((n_seqs, qkv_rows), dtype=np.float32),
-                 np.empty((n_seqs, n_q_heads, head_dim), dtype=np.float32),
-                 np.empty((n_seqs, width), dtype=np.float32), np.empty((n_seqs, 2 * ffn), dtype=np.float32),
-                 np.empty((n_seqs, ffn), dtype=np.float32), np.empty((n_seqs, width), dtype=np.float32),
-                 q_d, q_a, q_f, out_qtype, out_packed, out_flip, logits)
+    qkv = np.empty((n_seqs, qkv_rows), dtype=np.float32)
+    attn = np.empty((n_seqs, n_q_heads, head_dim), dtype=np.float32)
+    o = np.empty((n_seqs, width), dtype=np.float32)
+    gate_up = np.empty((n_seqs, 2 * ffn), dtype=np.float32)
+    ff = np.empty((n_seqs, ffn), dtype=np.float32)
+    d = np.empty((n_seqs, width), dtype=np.float32)
+    u = team.unowned
+    for t in numba.prange(n_threads):
+        # np.int64(t): one compiled `_team_member`, not two (see ops._njit_parallel).
+        _team_member(gemm, np.int64(t), n_threads, spin_limit, u(sync), u(claims), u(part_claims), u(x), u(h),
+                     u(qtypes), u(cols), u(flips), weights, u(ffn_norms), u(next_norms), eps, k_pools, v_pools,
+                     u(slots), u(positions), u(cos_table), u(sin_table), scale, u(first_item), per_subgroup,
+                     n_subgroups, max_splits, u(part_max), u(part_sum), u(part_acc), u(qkv), u(attn), u(o), u(gate_up),
+                     u(ff), u(d), (u(q_d[0]), u(q_d[1]), u(q_d[2]), u(q_d[3]), u(q_d[4])),
+                     (u(q_a[0]), u(q_a[1]), u(q_a[2]), u(q_a[3]), u(q_a[4])),
+                     (u(q_f[0]), u(q_f[1]), u(q_f[2]), u(q_f[3]), u(q_f[4])), out_qtype, u(out_packed), out_flip,
+                     u(logits))
     return logits, sync[team.ABORT] == 0
 
 

@@ -1,7 +1,7 @@
 """The int8 kernels' gemm as a C function compiled on its own, which the compiled matmuls call by its address.
 
 numba links a compiled function's callees into it and optimizes and emits the whole again, at every level: the
-decode step (`decode_layers._team_step` -> `_team_layers` -> `_team_member` -> `_layer_matmuls` ->
+decode step (`decode_layers._team_step` -> its parallel region -> `_team_member` -> `_layer_matmuls` ->
 `_gemm_claimed`) carried every row-dot kernel of every weight type it took, compiled five times over, and the
 prefill's matmul (`int8k._matmul` -> its parallel gemm) twice more. A cold decode step of a Q4_K_M file compiled
 for ~111 s on the 2-core Zen 4 VM, the default model's (int8dot's kernels alone) for ~64 s (a numba event
