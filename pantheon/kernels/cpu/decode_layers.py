@@ -371,7 +371,8 @@ def _team_step(n_threads, spin_limit, tokens, embd_qtype, embd_data, first_norm,
 
     One compiled level, not two (the region was a function of its own, `_team_layers`): numba compiles the
     region's body again into the function that holds it, so each level above the member recompiled all of it
-    (`gemm_call`); the default model's first decode step compiled ~7 s sooner this way on the 2-core Zen 4 VM.
+    (`gemm_call`); the default model's first decode step compiled ~5 s sooner this way on the 2-core Zen 4 VM
+    (`bench/cold_start.py`, 2026-12-05: 53.6 and 51.4 s against 58.7 and 56.0 s).
 
     The buffers: q_d / q_a / q_f (xq, xd, xs, xq_other, xh) for inputs of width D, n_q_heads * head_dim and the
     FFN width (`_block_extras`: the last two empty where no matrix reads them). Each member gets the shared
