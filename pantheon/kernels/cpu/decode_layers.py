@@ -207,9 +207,7 @@ def _gemm_claimed(gemm, qtype, other, packed, q, out, col0, claims, phase, n_thr
     k_pool, v_pool, slots, positions, kv_first, kv_end = kv
     n_groups = packed.shape[0]
     xq = q[3] if other else q[0]
-    # The kernels of Q6_K and IQ4 on VNNI read the halves' sums in place of xs (`int8k._activations`).
-    halves = int8k._UNSIGNED and (qtype == int8k.Q6_K or qtype == int8k.IQ4_NL or qtype == int8k.IQ4_XS)
-    xs = q[4] if halves else q[2]
+    xs = q[4] if int8k.reads_half_sums(qtype, int8k._UNSIGNED) else q[2]
     min_chunk = max(2, 16 // q[0].shape[0])
     # Claimed in pairs of groups: the wide kernels take two a call (int8dot.INT8_WIDE).
     n_pairs = (n_groups + 1) // 2
@@ -481,8 +479,11 @@ def _kernel_of(w: Any) -> tuple[int, np.int32]:
     return qtype, np.int32(int8dot._flip(qtype, int8dot.INT8_ISA))
 
 
-# The kernel types whose VNNI kernels read the halves' sums of the activations (`int8k._unsigned_weights`).
-_HALVES_TYPES = frozenset({int8k.Q6_K, int8k.IQ4_NL, int8k.IQ4_XS}) if int8k._UNSIGNED else frozenset()
+def _reads_half_sums(qtype: int) -> bool:
+    """Whether the kernels of kernel type `qtype` read the halves' sums of their input (`int8k.reads_half_sums`)."""
+    return bool(int8k.reads_half_sums(int(qtype), int8k._UNSIGNED))
+
+
 # A stand-in for the empty columns (K and V, UP) of a stacked matrix: no groups to claim.
 _NO_MATRIX = np.zeros((0, 1), dtype=np.uint8)
 _NO_MATRIX.flags.writeable = False
@@ -539,8 +540,8 @@ def build_plan(blocks: list[Any], output_norm: np.ndarray, head_dim: int, int8: 
     qtypes, flips = kinds[:, :, 0], kinds[:, :, 1].astype(np.int32)
     cols = np.zeros_like(rows)
     cols[:, K], cols[:, V], cols[:, UP] = rows[:, Q], rows[:, Q] + rows[:, K], rows[:, GATE]
-    halves = np.isin(qtypes, list(_HALVES_TYPES))
-    out_halves = ends is not None and ends.out_qtype in _HALVES_TYPES
+    halves = np.vectorize(_reads_half_sums, otypes=[bool])(qtypes)
+    out_halves = ends is not None and _reads_half_sums(ends.out_qtype)
     extras = np.array([
         (flips[:, [K, V]] != flips[:, [Q]]).any() or (flips[:, [UP]] != flips[:, [GATE]]).any(),
         halves[:, [Q, K, V, GATE, UP]].any() or out_halves, halves[:, OUT].any(), halves[:, DOWN].any()],

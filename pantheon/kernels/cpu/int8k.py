@@ -711,12 +711,21 @@ def _half_sums(xq):
     return sums
 
 
+@numba.njit(inline="always", **_KERNEL)
+def reads_half_sums(qtype, unsigned):
+    """Whether the kernels of kernel type `qtype` take the halves' sums of the activations (`_half_sums`) in place
+    of xs, which they do not use: those of Q6_K and IQ4 where the weights are the unsigned operand (`unsigned`:
+    `_unsigned_weights` of the instruction set, `_UNSIGNED` for this CPU's). The one place that says which types
+    those are: the matmuls (`_activations`) and the decode step (`decode_layers`) both ask here."""
+    return unsigned and (qtype == Q6_K or qtype == IQ4_NL or qtype == IQ4_XS)
+
+
 @numba.njit(**_KERNEL)
 def _activations(qtype, x, unsigned):
-    """x quantized for the kernels of `qtype`: int8dot's (xq, xd, xs), where the kernels of Q6_K and IQ4 on VNNI
-    (`_unsigned_weights`) take the halves' sums of xq (`_half_sums`) in place of xs, which they do not use."""
+    """x quantized for the kernels of `qtype`: int8dot's (xq, xd, xs), xs replaced by the halves' sums of xq
+    where those kernels read them (`reads_half_sums`)."""
     xq, xd, xs = int8dot._quantize(x, np.int32(0))
-    if unsigned and (qtype == Q6_K or qtype == IQ4_NL or qtype == IQ4_XS):
+    if reads_half_sums(qtype, unsigned):
         xs = _half_sums(xq)
     return xq, xd, xs
 
