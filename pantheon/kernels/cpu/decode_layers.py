@@ -357,8 +357,8 @@ def _team_member(gemm, t, n_threads, spin_limit, sync, claims, part_claims, x, h
 
 @numba.njit(parallel=True, cache=True, nogil=True, error_model="numpy")
 def _team_step(n_threads, spin_limit, tokens, embd_qtype, embd_data, first_norm, out_qtype, out_packed, out_rows,
-               out_flip, gemm, extras, qtypes, rows, cols, flips, weights, ffn_norms, next_norms, eps, k_pools,
-               v_pools, slots, positions, n_rot, freq_base, freq_scale, scale, n_q_heads):
+               out_flip, gemm, extras, qtypes, rows, cols, flips, w_q, w_k, w_v, w_out, w_gate, w_up, w_down, ffn_norms,
+               next_norms, eps, k_pools, v_pools, slots, positions, n_rot, freq_base, freq_scale, scale, n_q_heads):
     """The whole decode step: the rotation's angles, embedding rows and the first norm here, then the layers and
     the output matrix by a team of n_threads in one parallel region, iteration t of its prange member t
     (`_team_member`). Returns (logits (B, out_rows), completed): not completed when the team was given up (a
@@ -372,10 +372,18 @@ def _team_step(n_threads, spin_limit, tokens, embd_qtype, embd_data, first_norm,
     (`gemm_call`); the default model's first decode step compiled ~5 s sooner this way on the 2-core Zen 4 VM
     (`bench/cold_start.py`, 2026-12-05: 53.6 and 51.4 s against 58.7 and 56.0 s).
 
+    The seven matrix lists come as seven arguments (w_q .. w_down), not as one tuple: numba types a tuple of
+    typed lists in Python, on every call, and this call runs cache-cold (the step before evicted the
+    interpreter's data). From the Python call to the body's first instruction, the default model on the 2-core
+    Zen 4 VM (2026-12-05, cycle counter read on both sides): 130-165 us a step with the tuple, 32-40 us with the
+    seven lists. `bench/batch_ab.py --pairs 4 --rounds 4`, two runs against the tuple: batch 1 239 -> 258 and
+    251 -> 262 tok/s, batch 8 1001 -> 1044 and 1027 -> 1009.
+
     The buffers: q_d / q_a / q_f (xq, xd, xs, xq_other, xh) for inputs of width D, n_q_heads * head_dim and the
     FFN width (`_block_extras`: the last two empty where no matrix reads them). Each member gets the shared
     arrays as views without an owner (`team.unowned`: no reference counting on the words both threads would
     write, per call)."""
+    weights = (w_q, w_k, w_v, w_out, w_gate, w_up, w_down)
     n_seqs = tokens.shape[0]
     for t in range(n_seqs):
         if tokens[t] < 0 or tokens[t] >= embd_data.shape[0]:
@@ -620,7 +628,7 @@ def step_args(plan: DecodePlan, tokens: np.ndarray, eps: float, k_pools: Any, v_
     return (np.ascontiguousarray(tokens, dtype=np.int64), ends.embd_qtype, ends.embd_data, ends.first_norm,
             ends.out_qtype, ends.out_packed, ends.out_rows, ends.out_flip,
             int8k.gemm_address() if plan.k_quants else int8dot.gemm_address(), plan.extras, plan.qtypes,
-            plan.rows, plan.cols, plan.flips, plan.weights, plan.ffn_norms, plan.next_norms, float(eps),
+            plan.rows, plan.cols, plan.flips, *plan.weights, plan.ffn_norms, plan.next_norms, float(eps),
             k_pools, v_pools, np.asarray(slots, dtype=np.int32), np.asarray(positions, dtype=np.int32), n_rot,
             float(freq_base), float(freq_scale), float(scale), n_q_heads)
 
