@@ -472,6 +472,12 @@ class DecodePlan:
     extras: np.ndarray = field(default_factory=lambda: np.zeros(4, dtype=np.int64))
     ends: DecodeEnds | None = None  # set when the whole step, embedding to logits, runs compiled
 
+    def gemm_address(self) -> int:
+        """The address of the gemm that runs this plan's matrices: int8k's (every type) where some matrix takes its
+        kernels, else int8dot's (`gemm_call`). Compiled on first use, not when the plan is built: the side
+        process that compiles the prefill path builds plans too."""
+        return int8k.gemm_address() if self.k_quants else int8dot.gemm_address()
+
     @property
     def layers_path(self) -> bool:
         """Whether `decode_layers` (the layers alone, matmul by matmul) can run this plan: int8dot's types, q|k|v
@@ -594,7 +600,7 @@ def decode_layers(plan: DecodePlan, x: np.ndarray, h: np.ndarray, eps: float, k_
         raise ValueError("this plan runs as whole decode steps only")
     slots, positions, cos_table, sin_table = _rows(plan.head_dim, slots, positions, n_rot, freq_base, freq_scale)
     w = plan.weights
-    _layers(int8dot.gemm_address(), x, h, plan.qtypes, plan.rows, plan.flips, w[Q], w[OUT], w[GATE], w[DOWN],
+    _layers(plan.gemm_address(), x, h, plan.qtypes, plan.rows, plan.flips, w[Q], w[OUT], w[GATE], w[DOWN],
             plan.ffn_norms, plan.next_norms, float(eps), k_pools, v_pools, slots, positions, cos_table, sin_table,
             float(scale), n_q_heads, 4 * threads)
 
@@ -626,9 +632,8 @@ def step_args(plan: DecodePlan, tokens: np.ndarray, eps: float, k_pools: Any, v_
     ops._check_n_rot(n_rot, plan.head_dim)
     # The angle tables are made inside the compiled step: this Python runs cache-cold after every step.
     return (np.ascontiguousarray(tokens, dtype=np.int64), ends.embd_qtype, ends.embd_data, ends.first_norm,
-            ends.out_qtype, ends.out_packed, ends.out_rows, ends.out_flip,
-            int8k.gemm_address() if plan.k_quants else int8dot.gemm_address(), plan.extras, plan.qtypes,
-            plan.rows, plan.cols, plan.flips, *plan.weights, plan.ffn_norms, plan.next_norms, float(eps),
+            ends.out_qtype, ends.out_packed, ends.out_rows, ends.out_flip, plan.gemm_address(), plan.extras,
+            plan.qtypes, plan.rows, plan.cols, plan.flips, *plan.weights, plan.ffn_norms, plan.next_norms, float(eps),
             k_pools, v_pools, np.asarray(slots, dtype=np.int32), np.asarray(positions, dtype=np.int32), n_rot,
             float(freq_base), float(freq_scale), float(scale), n_q_heads)
 

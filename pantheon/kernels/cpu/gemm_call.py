@@ -12,7 +12,7 @@ int8 type), and the compiled matmuls hold its address: one compiled decode step 
 measurable beside its work (a chunk of weight groups, a microsecond or more).
 
 `_GEMM` is the C signature, `compile_gemm` makes the C function of a module's Python one, and `call_gemm` is the
-call: an intrinsic passing the arrays' data pointers and shapes, which the function rebuilds (`numba.carray`)
+call: an intrinsic passing the arrays' data pointers and shapes, which the function rebuilds (`as_arrays`)
 to run the same compiled kernels as before: the same bits.
 
 (The embedding's dequantization went the same way in a trial, and gained nothing: its cfunc compiled
@@ -35,6 +35,17 @@ _I64 = types.int64
 # g_lo, g_hi, col0): every array C-contiguous, xq (rows, width) and the others (rows, their cols).
 _GEMM = types.void(_I64, _U8P, _I64, _I64, _I8P, _I64, _I64, _F32P, _I64, _F32P, _I64, _F32P, _I64, _I64, _I64, _I64,
                    _I64)
+
+
+@numba.njit(inline="always", cache=True, nogil=True, error_model="numpy")
+def as_arrays(packed, n_groups, group_bytes, xq, n_rows, width, xd, xd_cols, xs, xs_cols, out, out_rows,
+              out_cols):  # type: ignore[no-untyped-def]
+    """(packed, xq, xd, xs, out) as arrays again, in a C function of the signature `_GEMM`: the pointers and shapes
+    `call_gemm` passed, in its order (the rest of the signature, qtype first and g_lo, g_hi, col0 last, are
+    plain numbers)."""
+    return (numba.carray(packed, (n_groups, group_bytes)), numba.carray(xq, (n_rows, width)),
+            numba.carray(xd, (n_rows, xd_cols)), numba.carray(xs, (n_rows, xs_cols)),
+            numba.carray(out, (out_rows, out_cols)))
 
 
 def compile_gemm(function: Any) -> int:

@@ -668,9 +668,9 @@ def _gemm_groups_c(  # type: ignore[no-untyped-def]
         qtype, packed, n_groups, group_bytes, xq, n_rows, width, xd, xd_cols, xs, xs_cols, out, out_rows, out_cols,
         g_lo, g_hi, col0):
     """`_gemm_groups` over raw pointers and shapes (`gemm_call._GEMM`), compiled as a C function."""
-    _gemm_groups(qtype, numba.carray(packed, (n_groups, group_bytes)), numba.carray(xq, (n_rows, width)),
-                 numba.carray(xd, (n_rows, xd_cols)), numba.carray(xs, (n_rows, xs_cols)),
-                 numba.carray(out, (out_rows, out_cols)), g_lo, g_hi, col0)
+    w, a, ad, s, o = gemm_call.as_arrays(packed, n_groups, group_bytes, xq, n_rows, width, xd, xd_cols, xs, xs_cols,
+                                         out, out_rows, out_cols)
+    _gemm_groups(qtype, w, a, ad, s, o, g_lo, g_hi, col0)
 
 
 @functools.cache

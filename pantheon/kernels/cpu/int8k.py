@@ -680,9 +680,8 @@ def _any_groups_c(  # type: ignore[no-untyped-def]
         g_lo, g_hi, col0):
     """`_gemm_groups`, or int8dot's for its types (Q4_1, Q8_0), over raw pointers and shapes (`gemm_call._GEMM`),
     compiled as a C function."""
-    w = numba.carray(packed, (n_groups, group_bytes))
-    a, ad = numba.carray(xq, (n_rows, width)), numba.carray(xd, (n_rows, xd_cols))
-    s, o = numba.carray(xs, (n_rows, xs_cols)), numba.carray(out, (out_rows, out_cols))
+    w, a, ad, s, o = gemm_call.as_arrays(packed, n_groups, group_bytes, xq, n_rows, width, xd, xd_cols, xs, xs_cols,
+                                         out, out_rows, out_cols)
     if qtype == int8dot.Q4_1 or qtype == int8dot.Q8_0:
         int8dot._gemm_groups(qtype, w, a, ad, s, o, g_lo, g_hi, col0)
     else:
