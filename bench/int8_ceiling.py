@@ -46,13 +46,14 @@ from numba.extending import intrinsic
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.batched import PantheonBatched  # noqa: E402
 from bench.common import default_model, prompt_tokens, write_result  # noqa: E402
-from pantheon.kernels.cpu import int8dot  # noqa: E402
+from pantheon.kernels.cpu import attend_ir, int8dot  # noqa: E402
 from pantheon.kernels.cpu.llvm_ir import call, fma, splat  # noqa: E402
 
 CHAINS = 8  # independent accumulators: enough to cover the instruction's latency
 _i8, _i16, _i32, _i64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 _f32 = ir.FloatType()
 _v16i16 = ir.VectorType(_i16, 16)
+
 
 
 def _dot_loop(isa: str, lanes: int):  # type: ignore[no-untyped-def]
@@ -64,35 +65,22 @@ def _dot_loop(isa: str, lanes: int):  # type: ignore[no-untyped-def]
     @intrinsic
     def dot_loop(typingctx, iterations):  # type: ignore[no-untyped-def]
         def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-            n = args[0]
             weights = [ir.Constant(v_bytes, [(3 * k + j) % 15 + 1 for j in range(4 * lanes)]) for k in range(CHAINS)]
             acc_type = v_words if isa == "vnni" else _v16i16
-            entry = builder.basic_block
-            loop = builder.append_basic_block("loop")
-            done = builder.append_basic_block("done")
-            builder.branch(loop)
-            builder.position_at_end(loop)
-            i = builder.phi(_i64)
-            x = builder.phi(v_bytes)
-            accs = [builder.phi(acc_type) for _ in range(CHAINS)]
-            new = []
-            for w, acc in zip(weights, accs):
-                if isa == "vnni":
-                    new.append(call(builder, f"llvm.x86.avx512.vpdpbusd.{32 * lanes}", v_words,
-                                    [acc, builder.bitcast(w, v_words), builder.bitcast(x, v_words)]))
-                else:
-                    new.append(builder.add(acc, call(builder, "llvm.x86.avx2.pmadd.ub.sw", _v16i16, [w, x])))
-            x_next = builder.add(x, ir.Constant(v_bytes, [1] * (4 * lanes)))
-            i_next = builder.add(i, ir.Constant(_i64, 1))
-            builder.cbranch(builder.icmp_signed("<", i_next, n), loop, done)
-            i.add_incoming(ir.Constant(_i64, 0), entry)
-            i.add_incoming(i_next, loop)
-            x.add_incoming(ir.Constant(v_bytes, [1] * (4 * lanes)), entry)
-            x.add_incoming(x_next, loop)
-            for phi, value in zip(accs, new):
-                phi.add_incoming(ir.Constant(acc_type, None), entry)
-                phi.add_incoming(value, loop)
-            builder.position_at_end(done)
+
+            def body(i, carried):  # type: ignore[no-untyped-def]
+                x, accs = carried[0], carried[1:]
+                new = []
+                for w, acc in zip(weights, accs):
+                    if isa == "vnni":
+                        new.append(call(builder, f"llvm.x86.avx512.vpdpbusd.{32 * lanes}", v_words,
+                                        [acc, builder.bitcast(w, v_words), builder.bitcast(x, v_words)]))
+                    else:
+                        new.append(builder.add(acc, call(builder, "llvm.x86.avx2.pmadd.ub.sw", _v16i16, [w, x])))
+                return [builder.add(x, ir.Constant(v_bytes, [1] * (4 * lanes))), *new]
+
+            starts = [ir.Constant(v_bytes, [1] * (4 * lanes))] + [ir.Constant(acc_type, None)] * CHAINS
+            new = attend_ir._counted_loop(builder, args[0], starts, body)[1:]
             total = new[0]
             for value in new[1:]:
                 total = builder.add(total, value)
@@ -146,41 +134,31 @@ def _block_work_loop(lanes: int):  # type: ignore[no-untyped-def]
             def k(value: int) -> ir.Constant:
                 return ir.Constant(_i64, value)
 
-            entry = builder.basic_block
-            loop = builder.append_basic_block("block_work")
-            done = builder.append_basic_block("block_work.done")
-            builder.branch(loop)
-            builder.position_at_end(loop)
-            i = builder.phi(_i64)
-            accs = [builder.phi(v_f32) for _ in range(rows)]
-            block = builder.and_(i, k(7))
-            w_base = builder.mul(block, k(16 * lanes))  # 4 nibble vectors of 4 * lanes bytes a block
-            s_base = builder.mul(block, k(2 * lanes + 2 * rows))  # d_w, m_w (lanes each), d_x, s_x (rows each)
-            packed = [load(wp, builder.add(w_base, k(4 * lanes * t)), v_bytes) for t in range(4)]
-            weights = [builder.and_(v, ir.Constant(v_bytes, [15] * 4 * lanes)) for v in packed]
-            weights += [builder.lshr(v, ir.Constant(v_bytes, [4] * 4 * lanes)) for v in packed]
-            d_w = load(dp, s_base, v_f32)
-            m_w = load(dp, builder.add(s_base, k(lanes)), v_f32)
-            new = []
-            for r, acc in enumerate(accs):
-                sums = ir.Constant(v_words, None)
-                for u in range(8):
-                    piece = load(xp, builder.add(builder.mul(block, k(32 * rows)), k(32 * r + 4 * u)), _i32)
-                    sums = call(builder, f"llvm.x86.avx512.vpdpbusd.{32 * lanes}", v_words,
-                                [sums, builder.bitcast(weights[u], v_words),
-                                 builder.bitcast(splat(builder, piece, lanes), v_words)])
-                d_x = builder.load(builder.gep(dp, [builder.add(s_base, k(2 * lanes + r))]))
-                s_x = builder.load(builder.gep(dp, [builder.add(s_base, k(2 * lanes + rows + r))]))
-                acc = fma(builder, builder.sitofp(sums, v_f32), builder.fmul(d_w, splat(builder, d_x, lanes)), acc)
-                new.append(fma(builder, m_w, splat(builder, s_x, lanes), acc))
-            i_next = builder.add(i, k(1))
-            builder.cbranch(builder.icmp_signed("<", i_next, args[0]), loop, done)
-            i.add_incoming(k(0), entry)
-            i.add_incoming(i_next, loop)
-            for phi, value in zip(accs, new):
-                phi.add_incoming(ir.Constant(v_f32, None), entry)
-                phi.add_incoming(value, loop)
-            builder.position_at_end(done)
+            def body(i, accs):  # type: ignore[no-untyped-def]
+                block = builder.and_(i, k(7))
+                w_base = builder.mul(block, k(16 * lanes))  # 4 nibble vectors of 4 * lanes bytes a block
+                s_base = builder.mul(block, k(2 * lanes + 2 * rows))  # d_w, m_w (lanes each), d_x, s_x (rows each)
+                packed = [load(wp, builder.add(w_base, k(4 * lanes * t)), v_bytes) for t in range(4)]
+                weights = [builder.and_(v, ir.Constant(v_bytes, [15] * 4 * lanes)) for v in packed]
+                weights += [builder.lshr(v, ir.Constant(v_bytes, [4] * 4 * lanes)) for v in packed]
+                d_w = load(dp, s_base, v_f32)
+                m_w = load(dp, builder.add(s_base, k(lanes)), v_f32)
+                new = []
+                for r, acc in enumerate(accs):
+                    sums = ir.Constant(v_words, None)
+                    for u in range(8):
+                        piece = load(xp, builder.add(builder.mul(block, k(32 * rows)), k(32 * r + 4 * u)), _i32)
+                        sums = call(builder, f"llvm.x86.avx512.vpdpbusd.{32 * lanes}", v_words,
+                                    [sums, builder.bitcast(weights[u], v_words),
+                                     builder.bitcast(splat(builder, piece, lanes), v_words)])
+                    d_x = builder.load(builder.gep(dp, [builder.add(s_base, k(2 * lanes + r))]))
+                    s_x = builder.load(builder.gep(dp, [builder.add(s_base, k(2 * lanes + rows + r))]))
+                    acc = fma(builder, builder.sitofp(sums, v_f32), builder.fmul(d_w, splat(builder, d_x, lanes)),
+                              acc)
+                    new.append(fma(builder, m_w, splat(builder, s_x, lanes), acc))
+                return new
+
+            new = attend_ir._counted_loop(builder, args[0], [ir.Constant(v_f32, None)] * rows, body)
             total = new[0]
             for value in new[1:]:
                 total = builder.fadd(total, value)
