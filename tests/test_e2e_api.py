@@ -533,6 +533,28 @@ def test_stop_string_in_stream_never_leaks(smollm_server: ServerProcess, baselin
     assert choice_chunks(events)[-1]["choices"][0]["finish_reason"] == "stop"
 
 
+def test_a_stop_string_ends_the_turn_at_its_token(smollm_server: ServerProcess, baseline: dict) -> None:
+    """The turn ends with the token that completes the stop string, streamed or not: no step runs after it, so
+    the session's KV holds the prompt and every completion token but the last (sampled, never fed). A
+    non-streamed turn used to read its tokens through the events channel, behind the scheduler, which ran 1-5
+    more steps before it saw the stop: their tokens sat in the KV, not counted in completion_tokens, and
+    kv_used differed from run to run."""
+    tokens = [e["token"] for e in baseline["choices"][0]["logprobs"]["content"]]
+    stop, _ = _spanning_stop(tokens)
+    for _ in range(3):
+        usage = chat(smollm_server, **BASE, stop=stop)["usage"]
+        assert usage["kv_used"] == usage["prompt_tokens"] + usage["completion_tokens"] - 1, usage
+    events = stream_events(smollm_server, {**BASE, "stop": [stop], "stream_options": {"include_usage": True}})
+    assert events[-1]["usage"] == {**usage, "prompt_tokens_details": events[-1]["usage"]["prompt_tokens_details"]}
+    # n = 2 (greedy: the same tokens twice), whole and streamed: usage sums both choices' tokens, kv_used is the
+    # first choice's.
+    for two in (chat(smollm_server, **BASE, stop=stop, n=2)["usage"],
+                stream_events(smollm_server, {**BASE, "stop": [stop], "n": 2,
+                                              "stream_options": {"include_usage": True}})[-1]["usage"]):
+        assert two["completion_tokens"] == 2 * usage["completion_tokens"], two
+        assert two["kv_used"] == usage["kv_used"], two
+
+
 def test_stop_string_prefix_at_the_end_is_released(smollm_server: ServerProcess, baseline: dict) -> None:
     """The answer ends in a proper prefix of the stop string: held back while it might match, then returned."""
     text = content_of(baseline)

@@ -221,7 +221,9 @@ async def _run_choice(completion: Completion, index: int, on_delta: Any = None, 
     is ready, the scheduler hands the token to `job.on_token` in the wake-up that brings its step, which does
     what this loop would do with it (push, `now.send` the delta's chunks) there and then. That saves the loop
     a scheduling round and the channel per token (~45 us of the ~300 us a streamed token cost the event loop
-    in a 1-stream decode on the 2-core VM). Everything else (a sink that is not ready, a token behind queued
+    in a 1-stream decode on the 2-core VM), and a stop string ends the turn before the scheduler's next step. A
+    whole (non-streamed) choice passes a sink that sends nothing (`_KEEP_AT_ONCE`): on_delta is None there, and
+    the deltas only accumulate in the result. Everything else (a sink that is not ready, a token behind queued
     events, the finish) takes the channel, in order."""
     job, channel = completion.jobs[index], completion.channels[index]
     result = ChoiceResult(index, _new_output(completion), controller=completion.grammars[index])
@@ -236,7 +238,7 @@ async def _run_choice(completion: Completion, index: int, on_delta: Any = None, 
             return False
         try:
             delta = result.output.push(sampled)
-            if delta:
+            if delta and on_delta is not None:  # a streamed choice sends it; a whole one only keeps it
                 for chunk in _delta_chunks(completion, index, delta):
                     now.send(chunk)  # type: ignore[union-attr]
         except Exception as exc:  # noqa: BLE001 - re-raised by the loop below, as if it had pushed the token
@@ -311,7 +313,7 @@ async def complete(completion: Completion) -> dict[str, Any]:
     results: list[ChoiceResult | None] = [None] * len(completion.jobs)
 
     async def run(i: int) -> None:
-        results[i] = await _run_choice(completion, i)
+        results[i] = await _run_choice(completion, i, now=_KEEP_AT_ONCE)
 
     async with trio.open_nursery() as nursery:
         for i in range(len(completion.jobs)):
@@ -389,6 +391,13 @@ class NowSink:
     flush: Callable[[], None]
 
 
+# A whole (non-streamed) choice takes its tokens at once too (`_run_choice`), with nothing to send: a stop string
+# then cancels its job in the wake-up that brought the token that completes it, as a streamed choice's does.
+# Through the events channel the scheduler ran 1-5 more steps before this task saw the stop (2-core VM): their
+# tokens were fed to the slot and stayed in its KV, uncounted, and kv_used varied from run to run.
+_KEEP_AT_ONCE = NowSink(ready=lambda: True, send=lambda chunk: None, flush=lambda: None)
+
+
 async def stream(completion: Completion, emit: Emit, now: NowSink | None = None) -> None:
     """Hands the SSE chunk bodies to `emit` in the spec's order. One choice (the usual case) streams straight
     from its job's events, in this task: a token costs no task switch between the scheduler's channel and
@@ -427,8 +436,8 @@ async def stream(completion: Completion, emit: Emit, now: NowSink | None = None)
             async def sink(chunk: dict[str, Any]) -> None:
                 send.send_nowait(chunk)
 
-            async with send:
-                await run(i, sink)
+            async with send:  # its chunks wait in the buffer: taken at once too, a stop ends the turn there
+                await run(i, sink, NowSink(ready=lambda: True, send=send.send_nowait, flush=lambda: None))
 
         async with trio.open_nursery() as nursery:
             for i in range(n):
