@@ -22,9 +22,9 @@ measures, on this machine and in one run:
    the 8-stream / 1-stream ratio the ceiling allows: 8 x step(1) / (8 tokens' multiply-adds at the
    ceiling), an upper bound that counts no attention, no norms, no memory traffic.
 
-Before 2026-12-06 item 3 timed `int8dot.matmul` called from Python, one call per product: its dispatch,
+Until 2026-12-05 item 3 timed `int8dot.matmul` called from Python, one call per product: its dispatch,
 the activations' quantization and the parallel region's start were ~10% of a call at this size, and the
-kernel read as 123-131 GMAC/s a thread instead of 140-151 (Zen 4 VM).
+kernel read as 123-131 GMAC/s a thread instead of 140-145 (Zen 4 VM).
 
     .venv/bin/python bench/int8_ceiling.py [--threads 2] [--rounds 5]
 """
@@ -53,7 +53,6 @@ CHAINS = 8  # independent accumulators: enough to cover the instruction's latenc
 _i8, _i16, _i32, _i64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 _f32 = ir.FloatType()
 _v16i16 = ir.VectorType(_i16, 16)
-
 
 
 def _dot_loop(isa: str, lanes: int):  # type: ignore[no-untyped-def]
