@@ -46,8 +46,8 @@ from numba.extending import intrinsic
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.batched import PantheonBatched  # noqa: E402
 from bench.common import default_model, prompt_tokens, write_result  # noqa: E402
-from pantheon.kernels.cpu import attend_ir, int8dot  # noqa: E402
-from pantheon.kernels.cpu.llvm_ir import call, fma, splat  # noqa: E402
+from pantheon.kernels.cpu import int8dot  # noqa: E402
+from pantheon.kernels.cpu.llvm_ir import call, counted_loop, fma, splat  # noqa: E402
 
 CHAINS = 8  # independent accumulators: enough to cover the instruction's latency
 _i8, _i16, _i32, _i64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
@@ -79,7 +79,7 @@ def _dot_loop(isa: str, lanes: int):  # type: ignore[no-untyped-def]
                 return [builder.add(x, ir.Constant(v_bytes, [1] * (4 * lanes))), *new]
 
             starts = [ir.Constant(v_bytes, [1] * (4 * lanes))] + [ir.Constant(acc_type, None)] * CHAINS
-            new = attend_ir._counted_loop(builder, args[0], starts, body)[1:]
+            new = counted_loop(builder, args[0], starts, body)[1:]
             total = new[0]
             for value in new[1:]:
                 total = builder.add(total, value)
@@ -157,7 +157,7 @@ def _block_work_loop(lanes: int):  # type: ignore[no-untyped-def]
                     new.append(fma(builder, m_w, splat(builder, s_x, lanes), acc))
                 return new
 
-            new = attend_ir._counted_loop(builder, args[0], [ir.Constant(v_f32, None)] * rows, body)
+            new = counted_loop(builder, args[0], [ir.Constant(v_f32, None)] * rows, body)
             total = new[0]
             for value in new[1:]:
                 total = builder.fadd(total, value)

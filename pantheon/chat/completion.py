@@ -391,11 +391,16 @@ class NowSink:
     flush: Callable[[], None]
 
 
+def _always_ready(send: Callable[[dict[str, Any]], None]) -> NowSink:
+    """A sink that takes every token at once and hands its chunks to `send` (which never waits)."""
+    return NowSink(ready=lambda: True, send=send, flush=lambda: None)
+
+
 # A whole (non-streamed) choice takes its tokens at once too (`_run_choice`), with nothing to send: a stop string
 # then cancels its job in the wake-up that brought the token that completes it, as a streamed choice's does.
 # Through the events channel the scheduler ran 1-5 more steps before this task saw the stop (2-core VM): their
 # tokens were fed to the slot and stayed in its KV, uncounted, and kv_used varied from run to run.
-_KEEP_AT_ONCE = NowSink(ready=lambda: True, send=lambda chunk: None, flush=lambda: None)
+_KEEP_AT_ONCE = _always_ready(lambda chunk: None)
 
 
 async def stream(completion: Completion, emit: Emit, now: NowSink | None = None) -> None:
@@ -437,7 +442,7 @@ async def stream(completion: Completion, emit: Emit, now: NowSink | None = None)
                 send.send_nowait(chunk)
 
             async with send:  # its chunks wait in the buffer: taken at once too, a stop ends the turn there
-                await run(i, sink, NowSink(ready=lambda: True, send=send.send_nowait, flush=lambda: None))
+                await run(i, sink, _always_ready(send.send_nowait))
 
         async with trio.open_nursery() as nursery:
             for i in range(n):

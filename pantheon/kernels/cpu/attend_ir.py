@@ -37,7 +37,7 @@ from numba import types
 from numba.extending import intrinsic
 
 from pantheon.kernels.cpu import HOST_CPU_FEATURES
-from pantheon.kernels.cpu.llvm_ir import byte_ptr, call, fma, splat
+from pantheon.kernels.cpu.llvm_ir import byte_ptr, call, counted_loop, fma, splat
 
 LANES = 16  # float32 lanes per vector (one zmm; two ymm on AVX2, which LLVM splits it into)
 MAX_WIDTH = 4  # query heads per call
@@ -62,41 +62,6 @@ def _load_f32(builder: ir.IRBuilder, ptr: ir.Value, half: bool) -> ir.Value:
         raw = builder.load(builder.bitcast(ptr, ir.VectorType(ir.IntType(16), LANES).as_pointer()), align=2)
         return builder.fpext(builder.bitcast(raw, ir.VectorType(ir.HalfType(), LANES)), _vf)
     return builder.load(builder.bitcast(ptr, _vf.as_pointer()), align=4)
-
-
-def _counted_loop(builder: ir.IRBuilder, count: ir.Value, carried: list[ir.Value], body: Any,
-                  may_be_empty: bool = False) -> list[ir.Value]:
-    """for i in range(count): carried = body(i, carried); returns the final carried values. count >= 1 unless
-    may_be_empty (then a count of 0 returns the starting values)."""
-    entry = builder.basic_block
-    loop = builder.append_basic_block("attend.loop")
-    done = builder.append_basic_block("attend.done")
-    if may_be_empty:
-        builder.cbranch(builder.icmp_signed(">", count, ir.Constant(_i64, 0)), loop, done)
-    else:
-        builder.branch(loop)
-    builder.position_at_end(loop)
-    i = builder.phi(_i64)
-    phis = [builder.phi(value.type) for value in carried]
-    updated = body(i, phis)
-    i_next = builder.add(i, ir.Constant(_i64, 1))
-    end = builder.basic_block
-    builder.cbranch(builder.icmp_signed("<", i_next, count), loop, done)
-    i.add_incoming(ir.Constant(_i64, 0), entry)
-    i.add_incoming(i_next, end)
-    for phi, start, value in zip(phis, carried, updated):
-        phi.add_incoming(start, entry)
-        phi.add_incoming(value, end)
-    builder.position_at_end(done)
-    if not may_be_empty:
-        return updated
-    results = []
-    for start, value in zip(carried, updated):
-        result = builder.phi(value.type)
-        result.add_incoming(start, entry)
-        result.add_incoming(value, end)
-        results.append(result)
-    return results
 
 
 def _fold(builder: ir.IRBuilder, x: ir.Value, y: ir.Value, level: int) -> ir.Value:
@@ -181,7 +146,7 @@ def key_scores_intrinsic(width: int) -> Any:
                     updated += [fma(builder, qs[h], kv, accs[r * width + h]) for h in range(width)]
                 return updated
 
-            partials = _counted_loop(builder, n_chunks, [ir.Constant(_vf, None)] * (KEYS_PER_LOOP * width), chunk)
+            partials = counted_loop(builder, n_chunks, [ir.Constant(_vf, None)] * (KEYS_PER_LOOP * width), chunk)
             for r in range(KEYS_PER_LOOP):
                 for h in range(width):  # a binary counter of folded groups: keys 2m and 2m + 1 meet first
                     value, level = partials[r * width + h], 0
@@ -250,7 +215,7 @@ def value_accumulate_intrinsic(width: int) -> Any:
                     updated += [fma(builder, weight, vals[b], accs[h * n_block + b]) for b in range(n_block)]
                 return updated
 
-            for ptr, value in zip(acc_ptrs, _counted_loop(builder, n, start, row)):
+            for ptr, value in zip(acc_ptrs, counted_loop(builder, n, start, row)):
                 builder.store(value, ptr, align=4)
 
         # Blocks of CHUNKS_PER_BLOCK chunks (width * CHUNKS_PER_BLOCK accumulators in registers), then the rest
@@ -261,7 +226,7 @@ def value_accumulate_intrinsic(width: int) -> Any:
             block(builder.mul(bi, ir.Constant(_i64, CHUNKS_PER_BLOCK)), CHUNKS_PER_BLOCK)
             return []
 
-        _counted_loop(builder, n_blocks, [], whole_block, may_be_empty=True)
+        counted_loop(builder, n_blocks, [], whole_block, may_be_empty=True)
         done = builder.mul(n_blocks, ir.Constant(_i64, CHUNKS_PER_BLOCK))
         for size in (2, 1):
             left = builder.sub(n_chunks, done)
@@ -315,7 +280,7 @@ def prefetch_rows_intrinsic(locality: int = 3) -> Any:
                 call(builder, "llvm.prefetch.p0i8", ir.VoidType(), [ptr, *flags])
                 return []
 
-            _counted_loop(builder, count, [], line, may_be_empty=True)
+            counted_loop(builder, count, [], line, may_be_empty=True)
 
         def line_count(nbytes):
             return builder.sdiv(builder.add(nbytes, ir.Constant(_i64, _LINE - 1)), ir.Constant(_i64, _LINE))
@@ -329,7 +294,7 @@ def prefetch_rows_intrinsic(locality: int = 3) -> Any:
                     lines(builder.add(first, builder.mul(j, row_stride)), line_count(row_bytes))
                     return []
 
-                _counted_loop(builder, n_rows, [], row, may_be_empty=True)
+                counted_loop(builder, n_rows, [], row, may_be_empty=True)
         return context.get_dummy_value()
 
     prefetch_rows.__name__ = prefetch_rows.__qualname__ = f"attend_prefetch_rows_{locality}"
