@@ -145,6 +145,33 @@ def test_prepare_weight_views_without_copy(tmp_path):
     assert np.array_equal(quant.dequantize_rows(w, np.array([2, 0])), f32[[2, 0]])
 
 
+def test_pack_on_huge_pages_moves_the_packed_rows_into_one_mapping():
+    """Each int8-kernel weight's packed rows move into one mapping, side by side from a 2 MiB boundary, each on a
+    cache line: the same bytes, read-only, the same products; a weight given twice is placed once, and types
+    without int8 kernels are left alone."""
+    rng = np.random.default_rng(7)
+    int8_types = sorted(quant.INT8_KERNEL_TYPES)
+    weights = [make_weight(qtype, 37, 768 if block_size(qtype) == 256 else 96, seed)[1]
+               for seed, qtype in enumerate(int8_types)]
+    _, plain = make_weight(GGMLQuantizationType.F16, 37, 96)
+    xs = [rng.standard_normal((3, w.cols)).astype(np.float32) for w in weights]
+    packed_before = [np.array(w.int8_packed) for w in weights]
+    products_before = [quant.matmul(w, x, int8=True) for w, x in zip(weights, xs)]
+    placed = quant.pack_on_huge_pages([*weights, weights[0], plain])
+    if placed == 0:
+        pytest.skip("no anonymous mapping with madvise here")
+    assert "int8_packed" not in plain.__dict__
+    starts = [w.int8_packed.ctypes.data for w in weights]
+    assert starts[0] % quant.HUGE_PAGE == 0
+    sizes = [-(-p.nbytes // 64) * 64 for p in packed_before]
+    assert [b - a for a, b in zip(starts, starts[1:])] == sizes[:-1]
+    assert placed == sum(sizes)
+    for w, x, packed, product in zip(weights, xs, packed_before, products_before):
+        assert not w.int8_packed.flags.writeable
+        np.testing.assert_array_equal(w.int8_packed, packed)
+        np.testing.assert_array_equal(quant.matmul(w, x, int8=True), product)
+
+
 def test_prepare_weight_rejects_bad_sizes():
     raw, _ = make_weight(quant.Q4_K, 2, 256)
     with pytest.raises(ValueError, match="multiple of the block size 256"):

@@ -1,0 +1,77 @@
+"""A/B of two versions of `kernels/cpu/decode_layers.py` in one process, taking turns run by run.
+
+    .venv/bin/python bench/step_ab.py OLD_FILE NEW_FILE [--rounds 10] [--tokens 96] [--levels 1,8]
+    git show HEAD~1:pantheon/kernels/cpu/decode_layers.py > /tmp/old_decode_layers.py
+    .venv/bin/python bench/step_ab.py /tmp/old_decode_layers.py pantheon/kernels/cpu/decode_layers.py
+
+Each file is imported as a module of its own (the rest of the package shared), and the decode step's thread team
+(`decode_layers._team_step`, what `decode_step` runs) is routed to one or the other before each run of
+`bench.batched`'s in-process decoder: per round and level, one run of each, the order alternating from round
+to round. The 2-core VMs here change speed by 10-25% from one process to the next and within minutes; runs a
+second apart in one process see the same machine, so the per-round ratio NEW / OLD is what this reports
+(median, min, max), beside the medians of the rates. Only changes confined to that one file can be compared
+this way; `bench/batch_ab.py` compares whole checkouts in alternating processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import sys
+from pathlib import Path
+from types import ModuleType
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def load_copy(path: Path, name: str) -> ModuleType:
+    """`path` (a version of decode_layers.py) imported as module `name`."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("old", type=Path)
+    ap.add_argument("new", type=Path)
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--tokens", type=int, default=96, help="decode steps a run")
+    ap.add_argument("--levels", default="1,8")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+
+    from bench.batched import PantheonBatched
+    from bench.common import default_model
+    from bench.concurrency import PROMPTS
+    from pantheon.kernels.cpu import decode_layers
+
+    teams = {"old": load_copy(args.old, "decode_layers_old")._team_step,
+             "new": load_copy(args.new, "decode_layers_new")._team_step}
+    engine = PantheonBatched(default_model(), args.threads)
+    prompts = [engine.prompt_ids(p) for p in PROMPTS]
+    levels = [int(v) for v in args.levels.split(",")]
+    rates: dict[tuple[str, int], list[float]] = {(k, n): [] for k in teams for n in levels}
+    for name, team in teams.items():  # compiled and warm
+        decode_layers._team_step = team
+        for n in levels:
+            engine.run([prompts[i % len(prompts)] for i in range(n)], 4)
+    for r in range(args.rounds):
+        for n in levels:
+            batch = [prompts[i % len(prompts)] for i in range(n)]
+            for name in (("old", "new") if r % 2 == 0 else ("new", "old")):
+                decode_layers._team_step = teams[name]
+                rates[(name, n)].append(engine.run(batch, args.tokens)["decode_tok_s"])
+    for n in levels:
+        old, new = rates[("old", n)], rates[("new", n)]
+        ratios = [b / a for a, b in zip(old, new)]
+        print(f"batch {n}: old {statistics.median(old):.1f} tok/s, new {statistics.median(new):.1f}; new / old per "
+              f"round: median {statistics.median(ratios):.3f}, min {min(ratios):.3f}, max {max(ratios):.3f}")
+
+
+if __name__ == "__main__":
+    main()
