@@ -186,6 +186,25 @@ def _prefetch_kv_pairs(k_pool, v_pool, slots, positions, first, end):
         _prefetch_rows_l2(v_pool[slots[b]], kvh, np.int64(0), rows)
 
 
+# Inlined: a compiled call counts references to the arrays it is passed, atomics on words both threads share.
+@numba.njit(cache=True, nogil=True, error_model="numpy", inline="always")
+def _prefetch_item_kv(item, first_item, per_subgroup, n_subgroups, group, k_pool, v_pool, slots, positions):
+    """Prefetch into L2 the keys and values of attention item `item` (`ops._decode_item`): a member asks for its
+    next item's before it computes the current one, which is usually the one it claims next (its own part goes
+    in order: `team.claim_own_first`). What the down and q|k|v matmuls asked for ahead (`_gemm_claimed`) is
+    only the first PREFETCH_KV_ROWS rows of a pair, and part of it is gone by the time the items run.
+    `bench/step_ab.py` against the step without it (2-core Zen 4 VM, 2026-12-06, both in one process taking
+    turns, 12-14 rounds a run): batch 8 +2.0% and +1.5% (per-round ratios 0.88-1.21: the VM was in its slow
+    phase), batch 1 -0.2% and +2.1%; the same lines written in the loop, three runs: batch 8 +1.7%, +2.6%, +2.6%
+    (0.98-1.06), batch 1 +1.4%, +0.8%, -0.4%. Not inlined, the call's reference counting took it all back
+    (+0.3%, batch 1 -1.2%). One item further ahead (item + 2) measured +0.5% at batch 8."""
+    n_kv_heads = k_pool.shape[2]
+    b, _, kvh, _, _, k_lo, k_hi = ops._decode_item(item, first_item, per_subgroup, n_subgroups, group, n_kv_heads,
+                                                   positions)
+    _prefetch_rows_l2(k_pool[slots[b]], np.int64(kvh), k_lo, k_hi)
+    _prefetch_rows_l2(v_pool[slots[b]], np.int64(kvh), k_lo, k_hi)
+
+
 @numba.njit(cache=True, nogil=True, error_model="numpy")
 def _gemm_claimed(gemm, qtype, other, packed, q, out, col0, claims, phase, n_threads, kv):
     """This member's part of a matmul the team shares out by claiming chunks of weight groups (`team.claim_chunk`).
@@ -323,6 +342,9 @@ def _team_member(gemm, t, n_threads, spin_limit, sync, claims, part_claims, x, h
             item = team.claim_own_first(part_claims, li, t, n_threads, item_starts)
             if item >= n_items:
                 break
+            if item + 1 < n_items:
+                _prefetch_item_kv(item + 1, first_item, per_subgroup, n_subgroups, attn.shape[1] // n_kv_heads,
+                                  k_pool, v_pool, slots, positions)
             b, h0, n_heads = ops._attention_qkv_item(item, qkv, False, cos_table, sin_table, k_pool, v_pool, slots,
                                                      positions, scale32, attn, first_item, per_subgroup, n_subgroups,
                                                      part_max, part_sum, part_acc, scratch)
