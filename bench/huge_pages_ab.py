@@ -14,8 +14,8 @@ the kernel gave none (transparent huge pages off), and the two sets are then ali
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -42,6 +42,7 @@ def main() -> None:
     from bench.batched import PantheonBatched
     from bench.common import default_model
     from bench.concurrency import PROMPTS
+    from bench.step_ab import alternating_runs, print_ratios
 
     engine = PantheonBatched(default_model(), 2)
     plan = engine.model._decode_plan
@@ -65,28 +66,15 @@ def main() -> None:
 
     prompts = [engine.prompt_ids(p) for p in PROMPTS]
     levels = [int(v) for v in args.levels.split(",")]
-    rates: dict[tuple[str, int], list[float]] = {(k, n): [] for k in sets for n in levels}
 
-    def use(name: str) -> None:
-        plan.weights, plan.ends.out_packed = sets[name]
+    def use(name: str) -> Callable[[], None]:
+        def switch() -> None:
+            plan.weights, plan.ends.out_packed = sets[name]
+        return switch
 
-    for name in sets:  # warm
-        use(name)
-        for n in levels:
-            engine.run([prompts[i % len(prompts)] for i in range(n)], 4)
-    for r in range(args.rounds):
-        for n in levels:
-            batch = [prompts[i % len(prompts)] for i in range(n)]
-            for name in (("separate", "huge") if r % 2 == 0 else ("huge", "separate")):
-                use(name)
-                rates[(name, n)].append(engine.run(batch, args.tokens)["decode_tok_s"])
-    for n in levels:
-        old, new = rates[("separate", n)], rates[("huge", n)]
-        ratios = [b / a for a, b in zip(old, new)]
-        print(f"batch {n}: separate {statistics.median(old):.1f} tok/s, huge pages {statistics.median(new):.1f}; "
-              f"huge / separate per round: median {statistics.median(ratios):.3f}, min {min(ratios):.3f}, "
-              f"max {max(ratios):.3f}")
-
+    rates = alternating_runs(engine, prompts, levels, args.rounds, args.tokens,
+                             {"separate": use("separate"), "huge": use("huge")})
+    print_ratios(rates, levels, "separate", "huge")
 
 if __name__ == "__main__":
     main()

@@ -10,7 +10,9 @@ Each file is imported as a module of its own (the rest of the package shared), a
 to round. The 2-core VMs here change speed by 10-25% from one process to the next and within minutes; runs a
 second apart in one process see the same machine, so the per-round ratio NEW / OLD is what this reports
 (median, min, max), beside the medians of the rates. Only changes confined to that one file can be compared
-this way; `bench/batch_ab.py` compares whole checkouts in alternating processes.
+this way; `bench/batch_ab.py` compares whole checkouts in alternating processes. The same file on both sides
+(2-core Zen 4 VM, 2026-12-06, runs of 2, 6 and 12 rounds): medians batch 8 0.995-1.002, batch 1 0.961-1.013,
+single rounds 0.92-1.11: a difference of a percent or two needs several runs that agree.
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ import argparse
 import importlib.util
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -33,6 +37,35 @@ def load_copy(path: Path, name: str) -> ModuleType:
     sys.modules[name] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
+
+
+def alternating_runs(engine: Any, prompts: list[list[int]], levels: list[int], rounds: int, tokens: int,
+                     setups: dict[str, Callable[[], None]]) -> dict[tuple[str, int], list[float]]:
+    """Decode rates (tok/s) of `engine` (`bench.batched.PantheonBatched`) per (setup, level), where `setups` maps
+    two names to what switches the engine to each: every setup warmed at every level, then per round and level
+    one run of each, their order alternating from round to round."""
+    first, second = setups
+    rates: dict[tuple[str, int], list[float]] = {(k, n): [] for k in setups for n in levels}
+    for switch in setups.values():  # compiled and warm
+        switch()
+        for n in levels:
+            engine.run([prompts[i % len(prompts)] for i in range(n)], 4)
+    for r in range(rounds):
+        for n in levels:
+            batch = [prompts[i % len(prompts)] for i in range(n)]
+            for name in ((first, second) if r % 2 == 0 else (second, first)):
+                setups[name]()
+                rates[(name, n)].append(engine.run(batch, tokens)["decode_tok_s"])
+    return rates
+
+
+def print_ratios(rates: dict[tuple[str, int], list[float]], levels: list[int], old: str, new: str) -> None:
+    """Per level: the medians of the two setups' rates and the per-round ratio new / old."""
+    for n in levels:
+        a, b = rates[(old, n)], rates[(new, n)]
+        ratios = [y / x for x, y in zip(a, b)]
+        print(f"batch {n}: {old} {statistics.median(a):.1f} tok/s, {new} {statistics.median(b):.1f}; {new} / {old} "
+              f"per round: median {statistics.median(ratios):.3f}, min {min(ratios):.3f}, max {max(ratios):.3f}")
 
 
 def main() -> None:
@@ -55,23 +88,15 @@ def main() -> None:
     engine = PantheonBatched(default_model(), args.threads)
     prompts = [engine.prompt_ids(p) for p in PROMPTS]
     levels = [int(v) for v in args.levels.split(",")]
-    rates: dict[tuple[str, int], list[float]] = {(k, n): [] for k in teams for n in levels}
-    for name, team in teams.items():  # compiled and warm
-        decode_layers._team_step = team
-        for n in levels:
-            engine.run([prompts[i % len(prompts)] for i in range(n)], 4)
-    for r in range(args.rounds):
-        for n in levels:
-            batch = [prompts[i % len(prompts)] for i in range(n)]
-            for name in (("old", "new") if r % 2 == 0 else ("new", "old")):
-                decode_layers._team_step = teams[name]
-                rates[(name, n)].append(engine.run(batch, args.tokens)["decode_tok_s"])
-    for n in levels:
-        old, new = rates[("old", n)], rates[("new", n)]
-        ratios = [b / a for a, b in zip(old, new)]
-        print(f"batch {n}: old {statistics.median(old):.1f} tok/s, new {statistics.median(new):.1f}; new / old per "
-              f"round: median {statistics.median(ratios):.3f}, min {min(ratios):.3f}, max {max(ratios):.3f}")
 
+    def route(name: str) -> Callable[[], None]:
+        def switch() -> None:
+            decode_layers._team_step = teams[name]
+        return switch
+
+    rates = alternating_runs(engine, prompts, levels, args.rounds, args.tokens,
+                             {"old": route("old"), "new": route("new")})
+    print_ratios(rates, levels, "old", "new")
 
 if __name__ == "__main__":
     main()
