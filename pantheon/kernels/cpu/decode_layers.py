@@ -556,8 +556,10 @@ def build_plan(blocks: list[Any], output_norm: np.ndarray, head_dim: int, int8: 
         return None
     # The matrices every step reads, packed side by side on huge pages (the output matrix too, where the step
     # takes it: it is read as often).
-    quant.pack_on_huge_pages([w for layer in layers for w in layer if w is not None]
-                             + [output] * (getattr(output, "qtype", None) in quant.INT8_KERNEL_TYPES))
+    matrices = [w for layer in layers for w in layer if w is not None]
+    if getattr(output, "qtype", None) in quant.INT8_KERNEL_TYPES:
+        matrices.append(output)
+    quant.pack_on_huge_pages(matrices)
     lists = tuple(List() for _ in range(7))
     kinds = np.zeros((len(blocks), 7, 2), dtype=np.int64)  # (kernel type, flip)
     rows = np.zeros((len(blocks), 7), dtype=np.int64)

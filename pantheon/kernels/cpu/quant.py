@@ -138,13 +138,13 @@ def pack_on_huge_pages(weights: Iterable[QWeight]) -> int:
     VM, 2026-12-06, 12 and 16 rounds): batch 8 +1.5% and +2.4% (per-round ratios 0.99-1.05), batch 1 +1.0% and
     +1.2%. A kernel without transparent huge pages (or with them off) leaves 4 KiB pages and the same bytes.
 
-    Each weight is packed, copied into the mapping and its own array dropped before the next is packed, so the
-    load never holds two copies of the model. The mapping reserves address space for every weight (no memory
+    Each weight is packed, copied into the mapping and its own array dropped before the next is packed, so a
+    load (`decode_layers.build_plan`, before anything else holds the arrays) never holds two copies of the model. The mapping reserves address space for every weight (no memory
     until written); a weight that does not fit, or a system without the mapping, keeps its own array."""
     weights = [w for w in {id(w): w for w in weights}.values() if w.qtype in INT8_KERNEL_TYPES]  # once each
-    room = int(sum(w.data.nbytes for w in weights) * _PACKED_PER_RAW) + len(weights) * 64 + 2 * HUGE_PAGE
     if not weights or not hasattr(mmap, "MADV_HUGEPAGE"):
         return 0
+    room = int(sum(w.data.nbytes for w in weights) * _PACKED_PER_RAW) + len(weights) * 64 + 2 * HUGE_PAGE
     try:
         mapping = mmap.mmap(-1, room, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE)
         mapping.madvise(mmap.MADV_HUGEPAGE)
