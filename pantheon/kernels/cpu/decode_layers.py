@@ -196,7 +196,7 @@ def _prefetch_item_kv(item, first_item, per_subgroup, n_subgroups, group, k_pool
     `bench/step_ab.py` against the step without it (2-core Zen 4 VM, 2026-12-06, both in one process taking
     turns, 12-14 rounds a run): batch 8 +2.0% and +1.5% (per-round ratios 0.88-1.21: the VM was in its slow
     phase), batch 1 -0.2% and +2.1%; the same lines written in the loop, three runs: batch 8 +1.7%, +2.6%, +2.6%
-    (0.98-1.06), batch 1 +1.4%, +0.8%, -0.4%. Not inlined, the call's reference counting took it all back
+    (0.98-1.11), batch 1 +1.4%, +0.8%, -0.4%. Not inlined, the call's reference counting took it all back
     (+0.3%, batch 1 -1.2%). One item further ahead (item + 2) measured +0.5% at batch 8."""
     n_kv_heads = k_pool.shape[2]
     b, _, kvh, _, _, k_lo, k_hi = ops._decode_item(item, first_item, per_subgroup, n_subgroups, group, n_kv_heads,
