@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -41,8 +40,7 @@ def main() -> None:
 
     from bench.batched import PantheonBatched
     from bench.common import default_model
-    from bench.concurrency import PROMPTS
-    from bench.step_ab import alternating_runs, print_ratios
+    from bench.step_ab import compare
 
     engine = PantheonBatched(default_model(), 2)
     plan = engine.model._decode_plan
@@ -64,17 +62,11 @@ def main() -> None:
     sets["separate"] = (tuple(lists), separate(plan.ends.out_packed))
     print(f"AnonHugePages: {huge_page_kb() / 1024:.0f} MiB")
 
-    prompts = [engine.prompt_ids(p) for p in PROMPTS]
-    levels = [int(v) for v in args.levels.split(",")]
+    def use(name: str) -> None:
+        plan.weights, plan.ends.out_packed = sets[name]
 
-    def use(name: str) -> Callable[[], None]:
-        def switch() -> None:
-            plan.weights, plan.ends.out_packed = sets[name]
-        return switch
+    compare(engine, [int(v) for v in args.levels.split(",")], args.rounds, args.tokens, ("separate", "huge"), use)
 
-    rates = alternating_runs(engine, prompts, levels, args.rounds, args.tokens,
-                             {"separate": use("separate"), "huge": use("huge")})
-    print_ratios(rates, levels, "separate", "huge")
 
 if __name__ == "__main__":
     main()

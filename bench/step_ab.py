@@ -39,33 +39,33 @@ def load_copy(path: Path, name: str) -> ModuleType:
     return module
 
 
-def alternating_runs(engine: Any, prompts: list[list[int]], levels: list[int], rounds: int, tokens: int,
-                     setups: dict[str, Callable[[], None]]) -> dict[tuple[str, int], list[float]]:
-    """Decode rates (tok/s) of `engine` (`bench.batched.PantheonBatched`) per (setup, level), where `setups` maps
-    two names to what switches the engine to each: every setup warmed at every level, then per round and level
-    one run of each, their order alternating from round to round."""
-    first, second = setups
-    rates: dict[tuple[str, int], list[float]] = {(k, n): [] for k in setups for n in levels}
-    for switch in setups.values():  # compiled and warm
-        switch()
+def compare(engine: Any, levels: list[int], rounds: int, tokens: int, names: tuple[str, str],
+            switch: Callable[[str], None]) -> dict[tuple[str, int], list[float]]:
+    """Decode rates (tok/s) of `engine` (`bench.batched.PantheonBatched`) on the bench prompts per (setup, level),
+    for the two setups `names`, `switch(name)` putting the engine on one: both warmed at every level, then per
+    round and level one run of each, their order alternating from round to round. Prints per level the medians
+    and the per-round ratio second / first; returns the rates."""
+    from bench.concurrency import PROMPTS
+
+    prompts = [engine.prompt_ids(p) for p in PROMPTS]
+    old, new = names
+    rates: dict[tuple[str, int], list[float]] = {(k, n): [] for k in names for n in levels}
+    for name in names:  # compiled and warm
+        switch(name)
         for n in levels:
             engine.run([prompts[i % len(prompts)] for i in range(n)], 4)
     for r in range(rounds):
         for n in levels:
             batch = [prompts[i % len(prompts)] for i in range(n)]
-            for name in ((first, second) if r % 2 == 0 else (second, first)):
-                setups[name]()
+            for name in (names if r % 2 == 0 else names[::-1]):
+                switch(name)
                 rates[(name, n)].append(engine.run(batch, tokens)["decode_tok_s"])
-    return rates
-
-
-def print_ratios(rates: dict[tuple[str, int], list[float]], levels: list[int], old: str, new: str) -> None:
-    """Per level: the medians of the two setups' rates and the per-round ratio new / old."""
     for n in levels:
         a, b = rates[(old, n)], rates[(new, n)]
         ratios = [y / x for x, y in zip(a, b)]
         print(f"batch {n}: {old} {statistics.median(a):.1f} tok/s, {new} {statistics.median(b):.1f}; {new} / {old} "
               f"per round: median {statistics.median(ratios):.3f}, min {min(ratios):.3f}, max {max(ratios):.3f}")
+    return rates
 
 
 def main() -> None:
@@ -80,23 +80,17 @@ def main() -> None:
 
     from bench.batched import PantheonBatched
     from bench.common import default_model
-    from bench.concurrency import PROMPTS
     from pantheon.kernels.cpu import decode_layers
 
     teams = {"old": load_copy(args.old, "decode_layers_old")._team_step,
              "new": load_copy(args.new, "decode_layers_new")._team_step}
-    engine = PantheonBatched(default_model(), args.threads)
-    prompts = [engine.prompt_ids(p) for p in PROMPTS]
-    levels = [int(v) for v in args.levels.split(",")]
 
-    def route(name: str) -> Callable[[], None]:
-        def switch() -> None:
-            decode_layers._team_step = teams[name]
-        return switch
+    def route(name: str) -> None:
+        decode_layers._team_step = teams[name]
 
-    rates = alternating_runs(engine, prompts, levels, args.rounds, args.tokens,
-                             {"old": route("old"), "new": route("new")})
-    print_ratios(rates, levels, "old", "new")
+    compare(PantheonBatched(default_model(), args.threads), [int(v) for v in args.levels.split(",")], args.rounds,
+            args.tokens, ("old", "new"), route)
+
 
 if __name__ == "__main__":
     main()

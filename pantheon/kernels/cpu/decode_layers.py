@@ -315,6 +315,7 @@ def _team_member(gemm, t, n_threads, spin_limit, sync, claims, part_claims, x, h
     for part in range(n_threads + 1):  # span(n, parts, parts) starts at n: the end of the last part
         item_starts[part] = first_item[team.span(n_seqs, part, n_threads)[0]]
     n_kv_heads = k_pools[0].shape[2]
+    group = attn.shape[1] // n_kv_heads  # query heads per kv head
     kv_lo, kv_hi = r_lo * n_kv_heads, r_hi * n_kv_heads
     no_kv = (u(k_pools[0]), u(v_pools[0]), slots, positions, kv_hi, kv_hi)
     head_dim = attn.shape[2]
@@ -343,8 +344,8 @@ def _team_member(gemm, t, n_threads, spin_limit, sync, claims, part_claims, x, h
             if item >= n_items:
                 break
             if item + 1 < n_items:
-                _prefetch_item_kv(item + 1, first_item, per_subgroup, n_subgroups, attn.shape[1] // n_kv_heads,
-                                  k_pool, v_pool, slots, positions)
+                _prefetch_item_kv(item + 1, first_item, per_subgroup, n_subgroups, group, k_pool, v_pool, slots,
+                                  positions)
             b, h0, n_heads = ops._attention_qkv_item(item, qkv, False, cos_table, sin_table, k_pool, v_pool, slots,
                                                      positions, scale32, attn, first_item, per_subgroup, n_subgroups,
                                                      part_max, part_sum, part_acc, scratch)

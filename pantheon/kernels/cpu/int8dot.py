@@ -51,7 +51,7 @@ from numba import types
 from numba.extending import intrinsic
 
 from pantheon.kernels.cpu import HOST_CPU_FEATURES, gemm_call
-from pantheon.kernels.cpu.llvm_ir import call, fma, splat
+from pantheon.kernels.cpu.llvm_ir import call, counted_loop, fma, splat
 
 __all__ = ["INT8_ISA", "INT8_TYPES", "matmul", "pack_weight", "quantize_rows"]
 
@@ -287,36 +287,11 @@ def _row_block(builder: ir.IRBuilder, isa: str, q4: bool, weights: list[ir.Value
     return fma(builder, builder.sitofp(sums, d_w.type), builder.fmul(d_w, splat(builder, d_x, lanes)), acc)
 
 
-def _block_loop(builder: ir.IRBuilder, name: str, n_blocks: ir.Value, n_acc: int, lanes: int, body: Any
-                ) -> list[ir.Value]:
+def _block_loop(builder: ir.IRBuilder, n_blocks: ir.Value, n_acc: int, lanes: int, body: Any) -> list[ir.Value]:
     """`for j in range(n_blocks)` carrying n_acc <lanes x float> accumulators from zero: body(j, accs) gives the
     next ones. The final accumulators (zero when n_blocks is 0)."""
-    acc_type = ir.VectorType(_f32, lanes)
-    zero = ir.Constant(acc_type, None)
-    entry = builder.basic_block
-    loop = builder.append_basic_block(f"int8dot.{name}")
-    done = builder.append_basic_block(f"int8dot.{name}.done")
-    builder.cbranch(builder.icmp_signed(">", n_blocks, ir.Constant(_i64, 0)), loop, done)
-    builder.position_at_end(loop)
-    j = builder.phi(_i64)
-    accs = [builder.phi(acc_type) for _ in range(n_acc)]
-    new_accs = body(j, accs)
-    j_next = builder.add(j, ir.Constant(_i64, 1))
-    builder.cbranch(builder.icmp_signed("<", j_next, n_blocks), loop, done)
-    loop_end = builder.basic_block
-    j.add_incoming(ir.Constant(_i64, 0), entry)
-    j.add_incoming(j_next, loop_end)
-    for phi, value in zip(accs, new_accs):
-        phi.add_incoming(zero, entry)
-        phi.add_incoming(value, loop_end)
-    builder.position_at_end(done)
-    finals = []
-    for value in new_accs:
-        final = builder.phi(acc_type)
-        final.add_incoming(zero, entry)
-        final.add_incoming(value, loop_end)
-        finals.append(final)
-    return finals
+    return counted_loop(builder, n_blocks, [ir.Constant(ir.VectorType(_f32, lanes), None)] * n_acc, body,
+                        may_be_empty=True)
 
 
 @dataclass
@@ -425,10 +400,10 @@ def _make_rows_dot(n_x: int, isa: str, lanes: int = LANES) -> Any:
                     for r in range(n_x)]
 
         load = _group_loader(builder, wptr, row_bytes, lanes)
-        totals = _block_loop(builder, "dots", n_blocks, n_x, lanes, dots)
+        totals = _block_loop(builder, n_blocks, n_x, lanes, dots)
         if q4:
             totals = [builder.fadd(t, m)
-                      for t, m in zip(totals, _block_loop(builder, "m", n_blocks, n_x, lanes, m_terms))]
+                      for t, m in zip(totals, _block_loop(builder, n_blocks, n_x, lanes, m_terms))]
         op.store(builder, totals, lanes)
 
     rows_dot.__name__ = rows_dot.__qualname__ = f"rows_dot_{n_x}_{isa}_{lanes}"

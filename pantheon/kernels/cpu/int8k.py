@@ -377,10 +377,10 @@ def _make_rows_dot(n_x: int, isa: str, lanes: int = LANES) -> Any:
             m_w = _m_scales(grp, j, qtype)
             return [fma(builder, m_w, x_scale(r, j, s), accs[r]) for r in range(n_x)]
 
-        totals = int8dot._block_loop(builder, "k_dots", n_blocks, n_x, lanes, dots)
+        totals = int8dot._block_loop(builder, n_blocks, n_x, lanes, dots)
         if qtype not in (Q6_K, *_IQ4):
             totals = [builder.fadd(t, m)
-                      for t, m in zip(totals, int8dot._block_loop(builder, "k_m", n_blocks, n_x, lanes, m_terms))]
+                      for t, m in zip(totals, int8dot._block_loop(builder, n_blocks, n_x, lanes, m_terms))]
         op.store(builder, totals, lanes)
 
     rows_dot.__name__ = rows_dot.__qualname__ = f"k_rows_dot_{n_x}_{isa}_{lanes}"
