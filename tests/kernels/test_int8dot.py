@@ -197,25 +197,30 @@ def _inner_loops(asm: str) -> list[list[str]]:
 
 @pytest.mark.parametrize("qtype", TYPES, ids=["Q4_1", "Q8_0"])
 def test_the_eight_row_block_loop_is_dot_instructions_in_registers(qtype: int) -> None:
-    """numba's assembly for the host's 8-row kernel: its loop over the blocks does the products with the ISA's
-    integer dot instruction (VNNI's vpdpbusd, 8 a row and block; AVX2's vpmaddubsw / vpmaddwd), and on AVX-512
-    VNNI it keeps its vectors in the 32 registers: no vector load or store of the stack (two chains of four dot
-    products a row spilled there, 14 accesses a block at 16 lanes)."""
+    """numba's assembly for the host's 8-row kernel, as `_gemm_groups` runs it (the 16-lane kernel with AVX-512
+    VNNI, else the 8-lane one): its loop over the blocks does the products with the ISA's integer dot instruction
+    (VNNI's vpdpbusd, 8 a row and block; AVX2's vpmaddubsw / vpmaddwd), and on AVX-512 VNNI it keeps its vectors
+    in the 32 registers: no vector load or store of the stack (two chains of four dot products a row spilled
+    there, 14 accesses a block at 16 lanes)."""
     import numba
 
-    # `_group_rows` as the matmuls call it (its 8-, 4- and 1-row kernels in one function), compiled here
-    # without the on-disk cache so that its assembly is at hand.
-    probe = numba.njit(int8dot._group_rows.py_func)
+    # `_gemm_groups` with the weight type a constant, compiled here without the on-disk cache so that its
+    # assembly is at hand and holds that type's kernels only.
+    scope = {"gemm_groups": numba.njit(int8dot._gemm_groups.py_func)}
+    exec(f"def probe(packed, xq, xd, xs, out):\n"
+         f"    gemm_groups({int8dot.kernel_qtype(qtype)}, packed, xq, xd, xs, out, 0, packed.shape[0], 0)\n", scope)
+    probe = numba.njit(scope["probe"])
     w = weight(qtype, 16, 96)
     x = activations(8, 96)
     xq, xd, xs = int8dot.quantize_rows(x, offset=int8dot._offset_q8_0(int8dot.INT8_ISA) and qtype == Q8_0)
     out = np.zeros((8, 16), dtype=np.float32)
-    probe(int8dot.INT8_WIDE, qtype, w.int8_packed, 0, xq, xd, xs, out, 0)
-    n = 16 if int8dot.INT8_WIDE else 8  # the outputs of group 0 (and 1 on the 16-lane kernels)
-    np.testing.assert_allclose(out[:, :n], quant.matmul(w, x, int8=True)[:, :n], rtol=1e-6, atol=1e-6)
+    probe(w.int8_packed, xq, xd, xs, out)
+    np.testing.assert_allclose(out, quant.matmul(w, x, int8=True), rtol=1e-6, atol=1e-6)
     asm = probe.inspect_asm(probe.signatures[0])
     dot = "vpdpbusd" if int8dot.INT8_ISA == "vnni" else "vpmadd"  # AVX2: vpmaddubsw, vpmaddwd
-    loops = [loop for loop in _inner_loops(asm) if any(dot in ins for ins in loop)]
+    wide = int8dot.INT8_WIDE  # the 8-row calls on 512-bit vectors
+    loops = [loop for loop in _inner_loops(asm)
+             if any(dot in ins and ("zmm" in ins) == wide for ins in loop)]
     assert loops, f"no loop with {dot} in the kernels"
     # The loop with the most dot instructions is the 8-row kernel's loop over the blocks.
     inner = max(loops, key=lambda loop: sum(dot in ins for ins in loop))

@@ -639,40 +639,47 @@ def pack_weight(qtype: int, data: np.ndarray) -> np.ndarray:
 
 
 @numba.njit(**_KERNEL)
-def _group_rows(wide, qtype, packed, g, xq, xd, xs, out, col0):
-    """Every activation row against weight group g (wide: groups g and g + 1), 8 rows a call while there are 8
-    (wide: on the 16-lane kernels), then 4, then one, on 8 lanes a group: the 16-lane kernels are compiled for 8
-    rows only (fewer variants to compile), and a lane's arithmetic is the same on both widths."""
-    batch = xq.shape[0]
-    b = 0
-    while b + 8 <= batch:
-        if wide:
+def _wide_span(qtype, packed, g_lo, g_hi, xq, xd, xs, out, col0, rows):
+    """Activation rows 0 .. rows - 1 (a multiple of 8) against the pairs of weight groups g_lo .. g_hi - 1 (an even
+    count), on the 16-lane kernels, 8 rows a call; kept bare for the reason `int8dot._wide_span` gives."""
+    for g in range(g_lo, g_hi, 2):
+        for b in range(0, rows, 8):
             _wide_8(qtype, packed, g, xq, xd, xs, b, out, col0 + g * LANES)
-        else:
-            _dot_8(qtype, packed, g, xq, xd, xs, b, out, col0 + g * LANES)
-        b += 8
-    for group in range(g, g + 2 if wide else g + 1):
-        n0 = col0 + group * LANES
-        rest = b
-        while rest + 4 <= batch:
-            _dot_4(qtype, packed, group, xq, xd, xs, rest, out, n0)
-            rest += 4
-        while rest < batch:
-            _dot_1(qtype, packed, group, xq, xd, xs, rest, out, n0)
-            rest += 1
+
+
+@numba.njit(**_KERNEL)
+def _narrow_span(qtype, packed, g_lo, g_hi, xq, xd, xs, out, col0, b_lo):
+    """Activation rows b_lo .. against weight groups g_lo .. g_hi - 1 on the 8-lane kernels, 8 rows a call while
+    there are 8, then 4, then one (`int8dot._narrow_span`)."""
+    batch = xq.shape[0]
+    for g in range(g_lo, g_hi):
+        n0 = col0 + g * LANES
+        b = b_lo
+        while b + 8 <= batch:
+            _dot_8(qtype, packed, g, xq, xd, xs, b, out, n0)
+            b += 8
+        while b + 4 <= batch:
+            _dot_4(qtype, packed, g, xq, xd, xs, b, out, n0)
+            b += 4
+        while b < batch:
+            _dot_1(qtype, packed, g, xq, xd, xs, b, out, n0)
+            b += 1
 
 
 @numba.njit(**_KERNEL)
 def _gemm_groups(qtype, packed, xq, xd, xs, out, g_lo, g_hi, col0):
-    """Every activation row against weight groups g_lo .. g_hi - 1, their outputs from column col0 of out (as
-    `int8dot._gemm_groups`); with `int8dot.INT8_WIDE` and at least `int8dot.WIDE_MIN_ROWS` activation rows, pairs
-    of groups a call."""
+    """Every activation row against weight groups g_lo .. g_hi - 1, their outputs from column col0 of out, as
+    `int8dot._gemm_groups` splits them: the pairs of groups on the 16-lane kernels (with `int8dot.INT8_WIDE` and at
+    least `int8dot.WIDE_MIN_ROWS` rows), the rest on the 8-lane ones."""
+    batch = xq.shape[0]
     g = g_lo
-    while int8dot.INT8_WIDE and xq.shape[0] >= int8dot.WIDE_MIN_ROWS and g + 2 <= g_hi:
-        _group_rows(True, qtype, packed, g, xq, xd, xs, out, col0)
-        g += 2
-    for g in range(g, g_hi):
-        _group_rows(False, qtype, packed, g, xq, xd, xs, out, col0)
+    if int8dot.INT8_WIDE and batch >= int8dot.WIDE_MIN_ROWS:
+        g = g_lo + (g_hi - g_lo) // 2 * 2
+        rows = batch // 8 * 8
+        _wide_span(qtype, packed, g_lo, g, xq, xd, xs, out, col0, rows)
+        if rows < batch:
+            _narrow_span(qtype, packed, g_lo, g, xq, xd, xs, out, col0, rows)
+    _narrow_span(qtype, packed, g, g_hi, xq, xd, xs, out, col0, 0)
 
 
 def _any_groups_c(  # type: ignore[no-untyped-def]
