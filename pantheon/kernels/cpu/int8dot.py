@@ -606,10 +606,12 @@ def _wide_span(qtype, packed, g_lo, g_hi, xq, xd, xs, out, col0, rows):
     count), on the 16-lane kernels, 8 rows a call.
 
     The loop around a kernel is kept bare on purpose (the other kernels are called from `_narrow_span`, after
-    it): LLVM compiles the inlined kernel's block loop with every value live around it, and with the 8-, 4- and
-    1-row kernels' leftover loops in the same function the 16-lane loop ran out of registers and reloaded its
-    addresses from the stack. On the 2-core Zen 4 VM (2026-12-06, Q4_1 1536 x 576 in cache, one thread, one
-    process taking turns): batch 8 143.0 -> 158.5 GMAC/s, batch 16 147.9 -> 158.5, the same bits."""
+    it): LLVM compiles the inlined kernel's block loop together with what is live around it. Called per pair of
+    groups from one function that also held the 8-, 4- and 1-row kernels' leftover loops, the 16-lane loop ran
+    ~10% under the same kernel called from a bare loop (its assembly reloaded 4 addresses from the stack a block,
+    1 now; that this alone is the cause was not isolated). `bench/gemm_ab.py` against that version (2026-12-06,
+    2-core Zen 4 VM, in cache, one thread, the two taking turns): Q4_1 batch 8 142.5 -> 159.1 GMAC/s, batch 16
+    148.7 -> 157.2; Q8_0 batch 8 121.4 -> 161.4, batch 16 126.1 -> 159.3; the same bits."""
     for g in range(g_lo, g_hi, 2):
         for b in range(0, rows, 8):
             _wide_8(qtype, packed, g, xq, xd, xs, b, out, col0 + g * LANES)
@@ -619,8 +621,8 @@ def _wide_span(qtype, packed, g_lo, g_hi, xq, xd, xs, out, col0, rows):
 def _narrow_span(qtype, packed, g_lo, g_hi, xq, xd, xs, out, col0, b_lo):
     """Activation rows b_lo .. against weight groups g_lo .. g_hi - 1 on the 8-lane kernels: 8 rows a call while
     there are 8, then 4, then one. A group's blocks are used for every row while they are in L1. Kept apart from
-    `_wide_span` (its docstring says why); here too the old loop, shared with the wide calls, cost the batch-1
-    kernel 56-58 against 74-76 GMAC/s in cache."""
+    `_wide_span` (its docstring says why); the 1-row kernel gained the most (same measurement: Q4_1 batch 1
+    57.7 -> 73.1 GMAC/s, Q8_0 53.8 -> 64.0)."""
     batch = xq.shape[0]
     for g in range(g_lo, g_hi):
         n0 = col0 + g * LANES
