@@ -204,12 +204,15 @@ def test_the_eight_row_block_loop_is_dot_instructions_in_registers(qtype: int) -
     there, 14 accesses a block at 16 lanes)."""
     import numba
 
-    # `_gemm_groups` with the weight type a constant, compiled here without the on-disk cache so that its
-    # assembly is at hand and holds that type's kernels only.
-    scope = {"gemm_groups": numba.njit(int8dot._gemm_groups.py_func)}
-    exec(f"def probe(packed, xq, xd, xs, out):\n"
-         f"    gemm_groups({int8dot.kernel_qtype(qtype)}, packed, xq, xd, xs, out, 0, packed.shape[0], 0)\n", scope)
-    probe = numba.njit(scope["probe"])
+    # `_gemm_groups` with the weight type a constant (numba freezes a closure's variables), compiled here
+    # without the on-disk cache so that its assembly is at hand and holds that type's kernels only.
+    gemm_groups = numba.njit(int8dot._gemm_groups.py_func)
+    kernel_qtype = int8dot.kernel_qtype(qtype)
+
+    @numba.njit
+    def probe(packed, xq, xd, xs, out):  # type: ignore[no-untyped-def]
+        gemm_groups(kernel_qtype, packed, xq, xd, xs, out, 0, packed.shape[0], 0)
+
     w = weight(qtype, 16, 96)
     x = activations(8, 96)
     xq, xd, xs = int8dot.quantize_rows(x, offset=int8dot._offset_q8_0(int8dot.INT8_ISA) and qtype == Q8_0)

@@ -670,7 +670,11 @@ def _narrow_span(qtype, packed, g_lo, g_hi, xq, xd, xs, out, col0, b_lo):
 def _gemm_groups(qtype, packed, xq, xd, xs, out, g_lo, g_hi, col0):
     """Every activation row against weight groups g_lo .. g_hi - 1, their outputs from column col0 of out, as
     `int8dot._gemm_groups` splits them: the pairs of groups on the 16-lane kernels (with `int8dot.INT8_WIDE` and at
-    least `int8dot.WIDE_MIN_ROWS` rows), the rest on the 8-lane ones."""
+    least `int8dot.WIDE_MIN_ROWS` rows), the rest on the 8-lane ones.
+
+    This and the two spans repeat int8dot's with this module's kernels. One factory making both sets would make
+    them closures, and numba's disk cache misses closures: a probe (a factory's two drivers over two intrinsics,
+    `cache=True`, 2026-12-06) saved its entries and recompiled in every new process."""
     batch = xq.shape[0]
     g = g_lo
     if int8dot.INT8_WIDE and batch >= int8dot.WIDE_MIN_ROWS:

@@ -139,8 +139,9 @@ def pack_on_huge_pages(weights: Iterable[QWeight]) -> int:
     +1.2%. A kernel without transparent huge pages (or with them off) leaves 4 KiB pages and the same bytes.
 
     Each weight is packed, copied into the mapping and its own array dropped before the next is packed, so a
-    load (`decode_layers.build_plan`, before anything else holds the arrays) never holds two copies of the model. The mapping reserves address space for every weight (no memory
-    until written); a weight that does not fit, or a system without the mapping, keeps its own array."""
+    load (`decode_layers.build_plan`, before anything else holds the arrays) never holds two copies of the
+    model. The mapping reserves address space for every weight (no memory until written); a weight that does not
+    fit, or a system without the mapping, keeps its own array."""
     weights = [w for w in {id(w): w for w in weights}.values() if w.qtype in INT8_KERNEL_TYPES]  # once each
     if not weights or not hasattr(mmap, "MADV_HUGEPAGE"):
         return 0
@@ -151,7 +152,7 @@ def pack_on_huge_pages(weights: Iterable[QWeight]) -> int:
     except (OSError, ValueError):
         return 0
     arena = np.frombuffer(mapping, dtype=np.uint8)  # keeps the mapping alive as long as a view of it lives
-    at = (-arena.ctypes.data) % HUGE_PAGE
+    start = at = (-arena.ctypes.data) % HUGE_PAGE  # the first 2 MiB boundary inside the mapping
     for w in weights:
         packed = w.int8_packed
         if at + packed.nbytes > arena.size:
@@ -161,7 +162,7 @@ def pack_on_huge_pages(weights: Iterable[QWeight]) -> int:
         placed.flags.writeable = False
         w.__dict__["int8_packed"] = placed  # functools.cached_property's slot: later reads get the copy
         at += -(-packed.nbytes // 64) * 64  # the next starts on a cache line
-    return at - (-arena.ctypes.data) % HUGE_PAGE
+    return at - start
 
 
 def prepare_weight(raw: np.ndarray, qtype: int, rows: int, cols: int) -> QWeight:
