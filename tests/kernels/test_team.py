@@ -1,5 +1,5 @@
-"""The team's shared-out work: guided chunks cover a phase exactly once, and claims (of a shared counter, or
-of each member's own part first) hand each piece to one member only, also when members race for them."""
+"""The team's shared-out work: a member's chunks cover its part exactly once, and claims (of each member's own
+part first, by items or by chunks) hand each piece to one member only, also when members race for them."""
 
 from __future__ import annotations
 
@@ -11,14 +11,13 @@ from pantheon.kernels.cpu import team
 
 
 @pytest.mark.parametrize("total", [0, 1, 2, 7, 60, 120, 384, 6144])
-@pytest.mark.parametrize("parts", [1, 2, 3, 8])
 @pytest.mark.parametrize("min_chunk", [1, 2, 16])
-def test_guided_chunks_cover_the_range_once_in_order_and_shrink(total: int, parts: int, min_chunk: int) -> None:
+def test_own_chunks_cover_the_part_once_in_order_and_shrink(total: int, min_chunk: int) -> None:
     chunks = []
-    for c in range(total + parts + 2):
-        lo, hi = team.guided_chunk(c, total, parts, min_chunk)
+    for c in range(total + 3):
+        lo, hi = team.own_chunk(c, total, min_chunk)
         if lo >= hi:
-            assert (lo, hi) == (total, total) or lo == hi
+            assert lo == hi
             continue
         chunks.append((lo, hi))
     if total == 0:
@@ -29,39 +28,54 @@ def test_guided_chunks_cover_the_range_once_in_order_and_shrink(total: int, part
     sizes = [hi - lo for lo, hi in chunks]
     assert all(a >= b for a, b in zip(sizes, sizes[1:]))  # large first, small last
     assert all(s >= min_chunk for s in sizes[:-1])
-    if total >= 4 * parts * min_chunk:  # the first round shares half of the range
-        assert sum(sizes[:parts]) >= total // 2 - parts
-    # past the end every claim is empty
-    assert team.guided_chunk(total + parts + 5, total, parts, min_chunk)[0] >= team.guided_chunk(
-        total + parts + 5, total, parts, min_chunk)[1]
+    assert sizes[0] >= min(total, max(min_chunk, total * 3 // 4))  # most of the part in one go
+    if total >= 8 * min_chunk:  # what is left after it is cut smaller, for another member to help with
+        assert len(chunks) >= 2 and sizes[-1] <= max(min_chunk, total // 8)
+    assert team.own_chunk(total + 5, total, min_chunk)[0] == team.own_chunk(total + 5, total, min_chunk)[1]
 
 
 @numba.njit(parallel=True, cache=False)
-def _race(claims, in_chunks, as_items, n_threads, min_chunk):  # type: ignore[no-untyped-def]
-    total = in_chunks.shape[0]
+def _race_chunks(part_claims, taken_by, own_count, n_threads, min_chunk):  # type: ignore[no-untyped-def]
+    total = taken_by.shape[0]
     for t in numba.prange(n_threads):
         while True:
-            lo, hi = team.claim_chunk(claims, 0, total, n_threads, min_chunk)
+            lo, hi, own = team.claim_own_chunk(part_claims, 1, np.int64(t), n_threads, total, min_chunk)
             if lo >= hi:
                 break
+            p_lo, p_hi = team.span(total, t, n_threads)
+            if own != (p_lo <= lo and hi <= p_hi):
+                own_count[t] -= 1_000_000  # "own" must say whether the chunk lies in t's part
             for i in range(lo, hi):
-                in_chunks[i] += 1
-        while True:
-            item = team.claim(claims, 1)
-            if item >= total:
-                break
-            as_items[item] += 1
+                taken_by[i] = taken_by[i] * 10 + t + 1  # a second taker would show as a second digit
 
 
-def test_racing_members_claim_every_piece_exactly_once() -> None:
+@pytest.mark.parametrize("total", [1, 5, 97, 5000])
+@pytest.mark.parametrize("min_chunk", [1, 8])
+def test_racing_members_claim_every_chunk_exactly_once(total: int, min_chunk: int) -> None:
     n_threads = max(2, min(4, numba.config.NUMBA_NUM_THREADS))
-    for total in (1, 5, 97, 5000):
-        in_chunks, as_items = np.zeros(total, dtype=np.int64), np.zeros(total, dtype=np.int64)
-        claims = team.new_claims(2)
-        _race(claims, in_chunks, as_items, n_threads, 1)
-        assert np.all(in_chunks == 1), "a piece of a chunked phase done twice or never"
-        assert np.all(as_items == 1), "an item done twice or never"
-        assert claims[1] >= total  # every member asked once more and got nothing
+    taken_by = np.zeros(total, dtype=np.int64)
+    own_count = np.zeros(n_threads, dtype=np.int64)
+    part_claims = team.new_part_claims(2, n_threads)
+    _race_chunks(part_claims, taken_by, own_count, n_threads, min_chunk)
+    assert np.all((taken_by >= 1) & (taken_by <= n_threads)), "a piece of a chunked phase done twice or never"
+    assert not own_count.any(), "a chunk said to be of the member's own part was not, or the reverse"
+    assert not part_claims[:n_threads * team.LINE_WORDS].any(), "phase 0's counters were touched"
+
+
+def test_a_member_takes_its_own_chunks_in_order_then_helps_the_next() -> None:
+    """One member alone: its own part's chunks first, in order, then the other members' from t + 1 on."""
+    part_claims = team.new_part_claims(1, 3)
+    total = 30  # parts of 10: member 0 0..9, member 1 10..19, member 2 20..29
+    got = []
+    while True:
+        lo, hi, own = team.claim_own_chunk(part_claims, 0, 1, 3, total, 2)
+        if lo >= hi:
+            break
+        got.append((lo, hi, own))
+    assert got == [(10, 17, True), (17, 19, True), (19, 20, True), (20, 27, False), (27, 29, False),
+                   (29, 30, False), (0, 7, False), (7, 9, False), (9, 10, False)]
+    # Another member now finds every part taken.
+    assert team.claim_own_chunk(part_claims, 0, 0, 3, total, 2)[:2] == (total, total)
 
 
 @numba.njit(parallel=True, cache=False)

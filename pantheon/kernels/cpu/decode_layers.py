@@ -56,8 +56,8 @@ log = logging.getLogger("pantheon.kernels")
 # stands as Q, K and V then empty (no rows); gate and up likewise as GATE.
 Q, K, V, OUT, GATE, UP, DOWN = range(7)
 # Claimed phases of a layer in `_team_step`: one a matrix, phase _PHASES * layer + its column above; the
-# output matmul is phase _PHASES * n_layers. (The attention's items are claimed part by part, from
-# `part_claims`, a row per layer.)
+# output matmul is phase _PHASES * n_layers (`claims`, counters per phase and member). (The attention's items
+# are claimed from `part_claims`, a row per layer.)
 _PHASES = 7
 
 
@@ -206,23 +206,23 @@ def _prefetch_item_kv(item, first_item, per_subgroup, n_subgroups, group, k_pool
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
-def _gemm_claimed(gemm, qtype, other, packed, q, out, col0, claims, phase, n_threads, kv):
-    """This member's part of a matmul the team shares out by claiming chunks of weight groups (`team.claim_chunk`).
-    An output's bits do not depend on who computes it. The smallest chunk is about a microsecond of work. gemm:
-    the address of the kernels' gemm (`int8dot.gemm_address`, `int8k.gemm_address`); other: the matrix reads
-    q's other-flip bytes.
+def _gemm_claimed(gemm, qtype, other, packed, q, out, col0, claims, phase, t, n_threads, kv):
+    """Member t's share of a matmul the team shares out by claiming chunks of pairs of weight groups, its own
+    part first (`team.claim_own_chunk`). An output's bits do not depend on who computes it. The smallest chunk
+    is about a microsecond of work. gemm: the address of the kernels' gemm (`int8dot.gemm_address`,
+    `int8k.gemm_address`); other: the matrix reads q's other-flip bytes.
 
-    kv = (k_pool, v_pool, slots, positions, first, end): between its chunks the member also asks for the keys
-    and values of (sequence, kv head) pairs first .. end - 1 (`_prefetch_kv_pairs`), in step with the matmul's
-    progress; an empty run asks for nothing. The layers' down matmul passes the member's part of the next
-    layer's, and the q|k|v matmul that layer's again: the weights stream through every cache level during a
-    step and evict the caches' keys and values, so decode attention waited on memory for them (a lone launch
-    at batch 8, context ~110, 2 threads: 40 us a layer with its data in cache, 82 us with it evicted), and at
-    batch 8 those matmuls are bound by their arithmetic, not their weights, which leaves the memory bus room.
-    (The q|k|v matmul's asking, with the attention items taken by their owner first: `bench/phase_profile.py
-    --levels 8 --attention-twice` on the 2-core Zen 4 VM, 2026-12-05, two processes a tree, alternating: the
-    attention 2640-3050 k cycles a step against 3170-3360 without both, the q|k|v matmul 1700-1960 against
-    1630-1710; the owner-first claiming alone, in another such run, 2940-3115 against 3045-3283.)"""
+    kv = (k_pool, v_pool, slots, positions, first, end): before each chunk of its own part the member also asks for
+    the keys and values of (sequence, kv head) pairs first .. end - 1 (`_prefetch_kv_pairs`), as far as that chunk
+    takes it through its part; an empty run asks for nothing. The layers' down matmul passes the member's part of
+    the next layer's, and the q|k|v matmul that layer's again: the weights stream through every cache level during a
+    step and evict the caches' keys and values, so decode attention waited on memory for them (a lone launch at
+    batch 8, context ~110, 2 threads: 40 us a layer with its data in cache, 82 us with it evicted), and at batch 8
+    those matmuls are bound by their arithmetic, not their weights, which leaves the memory bus room. (The q|k|v
+    matmul's asking, with the attention items taken by their owner first: `bench/phase_profile.py --levels 8
+    --attention-twice` on the 2-core Zen 4 VM, 2026-12-05, two processes a tree, alternating: the attention
+    2640-3050 k cycles a step against 3170-3360 without both, the q|k|v matmul 1700-1960 against 1630-1710; the
+    owner-first claiming alone, in another such run, 2940-3115 against 3045-3283.)"""
     k_pool, v_pool, slots, positions, kv_first, kv_end = kv
     n_groups = packed.shape[0]
     xq = q[3] if other else q[0]
@@ -230,15 +230,16 @@ def _gemm_claimed(gemm, qtype, other, packed, q, out, col0, claims, phase, n_thr
     min_chunk = max(2, 16 // q[0].shape[0])
     # Claimed in pairs of groups: the wide kernels take two a call (int8dot.INT8_WIDE).
     n_pairs = (n_groups + 1) // 2
+    part_lo, part_hi = team.span(n_pairs, t, n_threads)
     asked = kv_first
     while True:
-        lo, hi = team.claim_chunk(claims, phase, n_pairs, n_threads, (min_chunk + 1) // 2)
+        lo, hi, own = team.claim_own_chunk(claims, phase, t, n_threads, n_pairs, (min_chunk + 1) // 2)
         if lo >= hi:
             break
-        # Up to the same fraction of the pairs as of the matmul claimed so far.
-        upto = kv_first + (kv_end - kv_first) * hi // n_pairs
-        _prefetch_kv_pairs(k_pool, v_pool, slots, positions, asked, upto)
-        asked = max(asked, upto)
+        if own:  # up to the same fraction of the pairs as of its part claimed so far
+            upto = kv_first + (kv_end - kv_first) * (hi - part_lo) // (part_hi - part_lo)
+            _prefetch_kv_pairs(k_pool, v_pool, slots, positions, asked, upto)
+            asked = upto
         gemm_call.call_gemm(gemm, qtype, packed, xq, q[1], xs, out, 2 * lo, min(n_groups, 2 * hi), col0)
     _prefetch_kv_pairs(k_pool, v_pool, slots, positions, asked, kv_end)
 
@@ -250,7 +251,7 @@ def _gemm_phases(gemm, q, qtype, packed, out, claims, phase, sync, t, n_threads,
     between chunks (`_gemm_claimed`). False when the team was given up at a barrier: leave the region then."""
     if not team.barrier(sync, t, n_threads, spin_limit):
         return False
-    _gemm_claimed(gemm, qtype, False, packed, q, out, 0, claims, phase, n_threads, kv)
+    _gemm_claimed(gemm, qtype, False, packed, q, out, 0, claims, phase, t, n_threads, kv)
     return team.barrier(sync, t, n_threads, spin_limit)
 
 
@@ -269,7 +270,7 @@ def _layer_matmuls(gemm, q, li, m_lo, m_hi, qtypes, cols, flips, w_layer, out, c
         if packed.shape[0] == 0:
             continue
         _gemm_claimed(gemm, qtypes[li, m], flips[li, m] != flips[li, m_lo], packed, q, out, cols[li, m], claims,
-                      _PHASES * li + m, n_threads, run)
+                      _PHASES * li + m, t, n_threads, run)
         run = (kv[0], kv[1], kv[2], kv[3], kv[5], kv[5])  # asked for once
     return team.barrier(sync, t, n_threads, spin_limit)
 
@@ -437,7 +438,7 @@ def _team_step(n_threads, spin_limit, tokens, embd_qtype, embd_data, first_norm,
     logits = np.empty((n_seqs, out_rows), dtype=np.float32)
     sync = team.new_sync(n_threads)
     n_layers = len(weights[Q])
-    claims = team.new_claims(_PHASES * n_layers + 1)
+    claims = team.new_part_claims(_PHASES * n_layers + 1, n_threads)  # the matmuls'
     part_claims = team.new_part_claims(n_layers, n_threads)  # the layers' attention items
     qkv = np.empty((n_seqs, qkv_rows), dtype=np.float32)
     attn = np.empty((n_seqs, n_q_heads, head_dim), dtype=np.float32)
