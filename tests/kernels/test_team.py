@@ -35,7 +35,7 @@ def test_own_chunks_cover_the_part_once_in_order_and_shrink(total: int, min_chun
 
 
 @numba.njit(parallel=True, cache=False)
-def _race_chunks(part_claims, taken_by, own_count, n_threads, min_chunk):  # type: ignore[no-untyped-def]
+def _race_chunks(part_claims, taken_by, wrong_own, n_threads, min_chunk):  # type: ignore[no-untyped-def]
     total = taken_by.shape[0]
     for t in numba.prange(n_threads):
         while True:
@@ -44,7 +44,7 @@ def _race_chunks(part_claims, taken_by, own_count, n_threads, min_chunk):  # typ
                 break
             p_lo, p_hi = team.span(total, t, n_threads)
             if own != (p_lo <= lo and hi <= p_hi):
-                own_count[t] -= 1_000_000  # "own" must say whether the chunk lies in t's part
+                wrong_own[t] -= 1_000_000  # "own" must say whether the chunk lies in t's part
             for i in range(lo, hi):
                 taken_by[i] = taken_by[i] * 10 + t + 1  # a second taker would show as a second digit
 
@@ -54,11 +54,11 @@ def _race_chunks(part_claims, taken_by, own_count, n_threads, min_chunk):  # typ
 def test_racing_members_claim_every_chunk_exactly_once(total: int, min_chunk: int) -> None:
     n_threads = max(2, min(4, numba.config.NUMBA_NUM_THREADS))
     taken_by = np.zeros(total, dtype=np.int64)
-    own_count = np.zeros(n_threads, dtype=np.int64)
+    wrong_own = np.zeros(n_threads, dtype=np.int64)
     part_claims = team.new_part_claims(2, n_threads)
-    _race_chunks(part_claims, taken_by, own_count, n_threads, min_chunk)
+    _race_chunks(part_claims, taken_by, wrong_own, n_threads, min_chunk)
     assert np.all((taken_by >= 1) & (taken_by <= n_threads)), "a piece of a chunked phase done twice or never"
-    assert not own_count.any(), "a chunk said to be of the member's own part was not, or the reverse"
+    assert not wrong_own.any(), "a chunk said to be of the member's own part was not, or the reverse"
     assert not part_claims[:n_threads * team.LINE_WORDS].any(), "phase 0's counters were touched"
 
 
