@@ -55,10 +55,11 @@ log = logging.getLogger("pantheon.kernels")
 # `weights` lists. Where q, k and v have one type they are stacked at load into one matrix (LlamaBlock.w_qkv) that
 # stands as Q, K and V then empty (no rows); gate and up likewise as GATE.
 Q, K, V, OUT, GATE, UP, DOWN = range(7)
-# Claimed phases of a layer in `_team_step`: one a matrix, phase _PHASES * layer + its column above; the
-# output matmul is phase _PHASES * n_layers (`claims`, counters per phase and member). (The attention's items
-# are claimed from `part_claims`, a row per layer.)
-_PHASES = 7
+# Claimed phases of a layer in `_team_step` (`claims`: a counter per phase and member): one a matrix, phase
+# _PHASES * layer + its column above, and the attention's items, phase _PHASES * layer + ATTN; the output matmul
+# is phase _PHASES * n_layers.
+ATTN = 7
+_PHASES = 8
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
@@ -292,8 +293,8 @@ def _quantized(n_seqs, width, other, halves):
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
-def _team_member(gemm, t, n_threads, spin_limit, sync, claims, part_claims, x, h, qtypes, cols, flips, weights,
-                 ffn_norms, next_norms, eps, k_pools, v_pools, slots, positions, cos_table, sin_table, scale, first_item,
+def _team_member(gemm, t, n_threads, spin_limit, sync, claims, x, h, qtypes, cols, flips, weights, ffn_norms,
+                 next_norms, eps, k_pools, v_pools, slots, positions, cos_table, sin_table, scale, first_item,
                  per_subgroup, n_subgroups, max_splits, part_max, part_sum, part_acc, qkv, attn, o, gate_up, ff, d, q_d,
                  q_a, q_f, out_qtype, out_packed, out_flip, logits):
     """Member t's part of `_team_step`'s layers and output matmul: each phase does its share (`team.span`, or
@@ -341,7 +342,7 @@ def _team_member(gemm, t, n_threads, spin_limit, sync, claims, part_claims, x, h
                               n_threads, spin_limit, this_kv):
             break
         while True:  # items differ in length (each sequence its own context): claimed one by one
-            item = team.claim_own_first(part_claims, li, t, n_threads, item_starts)
+            item = team.claim_own_first(claims, phase + ATTN, t, n_threads, item_starts)
             if item >= n_items:
                 break
             if item + 1 < n_items:
@@ -438,8 +439,7 @@ def _team_step(n_threads, spin_limit, tokens, embd_qtype, embd_data, first_norm,
     logits = np.empty((n_seqs, out_rows), dtype=np.float32)
     sync = team.new_sync(n_threads)
     n_layers = len(weights[Q])
-    claims = team.new_part_claims(_PHASES * n_layers + 1, n_threads)  # the matmuls'
-    part_claims = team.new_part_claims(n_layers, n_threads)  # the layers' attention items
+    claims = team.new_part_claims(_PHASES * n_layers + 1, n_threads)
     qkv = np.empty((n_seqs, qkv_rows), dtype=np.float32)
     attn = np.empty((n_seqs, n_q_heads, head_dim), dtype=np.float32)
     o = np.empty((n_seqs, width), dtype=np.float32)
@@ -449,7 +449,7 @@ def _team_step(n_threads, spin_limit, tokens, embd_qtype, embd_data, first_norm,
     u = team.unowned
     for t in numba.prange(n_threads):
         # np.int64(t): one compiled `_team_member`, not two (see ops._njit_parallel).
-        _team_member(gemm, np.int64(t), n_threads, spin_limit, u(sync), u(claims), u(part_claims), u(x), u(h),
+        _team_member(gemm, np.int64(t), n_threads, spin_limit, u(sync), u(claims), u(x), u(h),
                      u(qtypes), u(cols), u(flips), weights, u(ffn_norms), u(next_norms), eps, k_pools, v_pools,
                      u(slots), u(positions), u(cos_table), u(sin_table), scale, u(first_item), per_subgroup,
                      n_subgroups, max_splits, u(part_max), u(part_sum), u(part_acc), u(qkv), u(attn), u(o), u(gate_up),
