@@ -12,7 +12,8 @@ measures, on this machine and in one run:
    activation row its eight dot instructions (the activation piece a broadcast operand) and the float work
    around them (a conversion, the product of the block scales, an fma, and the m term's fma), the weights
    unpacked from nibbles, everything in L1: what the per-block scaling leaves of item 1, whatever the
-   kernel's loads and loop structure;
+   kernel's loads and loop structure; and the same loop with parts of that float work left out
+   (`FLOAT_WORK`, wrong values), which shows what each part costs;
 3. the int8 matmul kernel itself at batch 8 (Q4_1, 1536 x 576, the same shape as in the decode step's
    gate|up halves) on one thread, called in a compiled loop (`int8dot._gemm_groups`; the activations quantized
    once, outside), on one matrix that stays in the caches and on copies of it that do not (read from memory
@@ -110,13 +111,26 @@ def ceiling(iterations: int = 20_000_000) -> float:
     return best
 
 
-def _block_work_loop(lanes: int):  # type: ignore[no-untyped-def]
+# The float work per block and activation row in `_block_work_loop`: "all" is the kernel's; the others leave parts
+# of it out (wrong values, timing only), to show what the kernel's rate pays for it.
+FLOAT_WORK = {
+    "all": "the kernel's: conversion, d_w * d_x, fma, the m term's fma",
+    "no_m_term": "without the m term's fma",
+    "no_scales_product": "without d_w * d_x (the sum times d_w)",
+    "convert_fma": "a conversion and one fma",
+    "convert_add": "a conversion and an add",
+    "none": "the integer sums added as they are",
+}
+
+
+def _block_work_loop(lanes: int, float_work: str = "all"):  # type: ignore[no-untyped-def]
     """An intrinsic (iterations, nibbles, xq, scales) -> float32: the Q4_1 kernel's arithmetic per weight block
     (`int8dot._row_block` and its m terms) on `lanes`-lane vectors, 8 activation rows, every operand in L1.
     Per block: 4 nibble vectors loaded and unpacked (and, shift) into the 8 weight vectors and the block's d and
     m scales (lanes of float32); per activation row, 8 `vpdpbusd` with the row's 4-byte pieces as broadcast
-    operands, one conversion of the integer sum, d_w * d_x, an fma into the row's accumulator, and the m term's
-    fma (m_w * s_x) into the same. Iteration i reads block i % 8 of the operands (LLVM cannot hoist the loads)."""
+    operands, then `float_work` (`FLOAT_WORK`; the kernel's: one conversion of the integer sum, d_w * d_x, an fma
+    into the row's accumulator, and the m term's fma, m_w * s_x, into the same). Iteration i reads block i % 8 of
+    the operands (LLVM cannot hoist the loads)."""
     v_bytes, v_words, v_f32 = ir.VectorType(_i8, 4 * lanes), ir.VectorType(_i32, lanes), ir.VectorType(_f32, lanes)
     rows = 8
 
@@ -152,9 +166,18 @@ def _block_work_loop(lanes: int):  # type: ignore[no-untyped-def]
                                      builder.bitcast(splat(builder, piece, lanes), v_words)])
                     d_x = builder.load(builder.gep(dp, [builder.add(s_base, k(2 * lanes + r))]))
                     s_x = builder.load(builder.gep(dp, [builder.add(s_base, k(2 * lanes + rows + r))]))
-                    acc = fma(builder, builder.sitofp(sums, v_f32), builder.fmul(d_w, splat(builder, d_x, lanes)),
-                              acc)
-                    new.append(fma(builder, m_w, splat(builder, s_x, lanes), acc))
+                    if float_work in ("all", "no_m_term"):
+                        acc = fma(builder, builder.sitofp(sums, v_f32), builder.fmul(d_w, splat(builder, d_x, lanes)),
+                                  acc)
+                    elif float_work in ("no_scales_product", "convert_fma"):
+                        acc = fma(builder, builder.sitofp(sums, v_f32), d_w, acc)
+                    elif float_work == "convert_add":
+                        acc = builder.fadd(acc, builder.sitofp(sums, v_f32))
+                    else:
+                        acc = builder.fadd(acc, builder.bitcast(sums, v_f32))
+                    if float_work in ("all", "no_scales_product"):
+                        acc = fma(builder, m_w, splat(builder, s_x, lanes), acc)
+                    new.append(acc)
                 return new
 
             new = counted_loop(builder, args[0], [ir.Constant(v_f32, None)] * rows, body)
@@ -168,13 +191,13 @@ def _block_work_loop(lanes: int):  # type: ignore[no-untyped-def]
     return block_work
 
 
-def block_work_ceiling(iterations: int = 1_000_000) -> float | None:
+def block_work_ceiling(iterations: int = 1_000_000, float_work: str = "all") -> float | None:
     """GMAC/s of `_block_work_loop` on one thread (best of 3), on the kernels' vector width; None without VNNI
     (the AVX2 kernel's instruction mix is another)."""
     if int8dot.INT8_ISA != "vnni":
         return None
     lanes = 16 if int8dot.INT8_WIDE else 8
-    block_work = _block_work_loop(lanes)
+    block_work = _block_work_loop(lanes, float_work)
 
     @numba.njit(nogil=True)
     def run(n, nibbles, xq, scales):  # type: ignore[no-untyped-def]
@@ -270,7 +293,9 @@ def main() -> None:
     # them back to back, and the ratios are the medians of each round's own.
     rounds = []
     for _ in range(args.rounds):
-        rounds.append({"ceiling": ceiling(), "block_work": block_work_ceiling(), **kernel_rates(threads=args.threads)})
+        rounds.append({"ceiling": ceiling(), "block_work": block_work_ceiling(), **kernel_rates(threads=args.threads),
+                       **{f"block_work_{name}": block_work_ceiling(float_work=name) for name in FLOAT_WORK
+                          if name != "all"}})
     one = statistics.median(r["ceiling"] for r in rounds)
     team = one * args.threads
     kernel = statistics.median(r["in_cache_one_thread"] for r in rounds)
@@ -295,6 +320,15 @@ def main() -> None:
                   if key != "block_work" and rounds[0]["block_work"] is not None else "")
         shown = " ".join(f"{v:.0f}" for v in rates)
         print(f"{label}: {shown} GMAC/s a thread by round ({of_ceiling:.2f} of the ceiling{of_mix})")
+    if rounds[0]["block_work"] is not None:
+        # What the mix's float work costs it: the same loop with parts of that work left out (wrong values).
+        print("the mix with less float work (x the kernel's mix, median of the rounds' own ratios):")
+        for name, label in FLOAT_WORK.items():
+            if name == "all":
+                continue
+            key = f"block_work_{name}"
+            ratio = statistics.median(r[key] / r["block_work"] for r in rounds)
+            print(f"  {label}: {statistics.median(r[key] for r in rounds):.0f} GMAC/s a thread, x{ratio:.2f}")
     print(f"decode step: batch 1 {step1 * 1e3:.2f} ms, batch 8 {step8 * 1e3:.2f} ms -> 8 streams / 1 = "
           f"{8 * step1 / step8:.2f}")
     print(f"{macs / 1e6:.1f} M multiply-adds a token; 8 tokens at the ceiling: {floor8 * 1e3:.2f} ms -> at most "
