@@ -33,6 +33,7 @@ kernel read as 123-131 GMAC/s a thread instead of 140-145 (Zen 4 VM).
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -131,6 +132,8 @@ def _block_work_loop(lanes: int, float_work: str = "all"):  # type: ignore[no-un
     operands, then `float_work` (`FLOAT_WORK`; the kernel's: one conversion of the integer sum, d_w * d_x, an fma
     into the row's accumulator, and the m term's fma, m_w * s_x, into the same). Iteration i reads block i % 8 of
     the operands (LLVM cannot hoist the loads)."""
+    if float_work not in FLOAT_WORK:
+        raise ValueError(f"float_work {float_work!r}: one of {', '.join(FLOAT_WORK)}")
     v_bytes, v_words, v_f32 = ir.VectorType(_i8, 4 * lanes), ir.VectorType(_i32, lanes), ir.VectorType(_f32, lanes)
     rows = 8
 
@@ -164,9 +167,8 @@ def _block_work_loop(lanes: int, float_work: str = "all"):  # type: ignore[no-un
                         sums = call(builder, f"llvm.x86.avx512.vpdpbusd.{32 * lanes}", v_words,
                                     [sums, builder.bitcast(weights[u], v_words),
                                      builder.bitcast(splat(builder, piece, lanes), v_words)])
-                    d_x = builder.load(builder.gep(dp, [builder.add(s_base, k(2 * lanes + r))]))
-                    s_x = builder.load(builder.gep(dp, [builder.add(s_base, k(2 * lanes + rows + r))]))
                     if float_work in ("all", "no_m_term"):
+                        d_x = builder.load(builder.gep(dp, [builder.add(s_base, k(2 * lanes + r))]))
                         acc = fma(builder, builder.sitofp(sums, v_f32), builder.fmul(d_w, splat(builder, d_x, lanes)),
                                   acc)
                     elif float_work in ("no_scales_product", "convert_fma"):
@@ -176,6 +178,7 @@ def _block_work_loop(lanes: int, float_work: str = "all"):  # type: ignore[no-un
                     else:
                         acc = builder.fadd(acc, builder.bitcast(sums, v_f32))
                     if float_work in ("all", "no_scales_product"):
+                        s_x = builder.load(builder.gep(dp, [builder.add(s_base, k(2 * lanes + rows + r))]))
                         acc = fma(builder, m_w, splat(builder, s_x, lanes), acc)
                     new.append(acc)
                 return new
@@ -191,18 +194,25 @@ def _block_work_loop(lanes: int, float_work: str = "all"):  # type: ignore[no-un
     return block_work
 
 
-def block_work_ceiling(iterations: int = 1_000_000, float_work: str = "all") -> float | None:
-    """GMAC/s of `_block_work_loop` on one thread (best of 3), on the kernels' vector width; None without VNNI
-    (the AVX2 kernel's instruction mix is another)."""
-    if int8dot.INT8_ISA != "vnni":
-        return None
-    lanes = 16 if int8dot.INT8_WIDE else 8
+@functools.cache
+def _block_work_runner(lanes: int, float_work: str):  # type: ignore[no-untyped-def]
+    """`_block_work_loop` in a compiled function, made once per variant: every round reuses it."""
     block_work = _block_work_loop(lanes, float_work)
 
     @numba.njit(nogil=True)
     def run(n, nibbles, xq, scales):  # type: ignore[no-untyped-def]
         return block_work(n, nibbles, xq, scales)
 
+    return run
+
+
+def block_work_ceiling(iterations: int = 1_000_000, float_work: str = "all") -> float | None:
+    """GMAC/s of `_block_work_loop` on one thread (best of 3), on the kernels' vector width; None without VNNI
+    (the AVX2 kernel's instruction mix is another)."""
+    if int8dot.INT8_ISA != "vnni":
+        return None
+    lanes = 16 if int8dot.INT8_WIDE else 8
+    run = _block_work_runner(lanes, float_work)
     rng = np.random.default_rng(0)
     nibbles = rng.integers(0, 256, 8 * 16 * lanes, dtype=np.uint8)
     xq = rng.integers(-127, 128, 8 * 32 * 8, dtype=np.int8)
