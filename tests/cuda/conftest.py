@@ -29,7 +29,7 @@ if HAVE_NUMBA_CUDA and "numba.cuda" not in sys.modules:
 
 # Without the extra only the bookkeeping tests (dies, graphs, the bench script's no-GPU exit) can run.
 NEEDS_NUMBA_CUDA = ["test_backend.py", "test_hybrid_ops.py", "test_llama_forward.py", "test_ops.py", "test_ptx.py",
-                    "test_quant.py"]
+                    "test_quant.py", "test_simulator_shared.py"]
 collect_ignore = [] if HAVE_NUMBA_CUDA else NEEDS_NUMBA_CUDA
 
 
@@ -43,6 +43,16 @@ def simulator_active() -> bool:
     from pantheon.kernels.cuda.launch import SIMULATOR
 
     return SIMULATOR
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _shared_arrays_made_once() -> None:
+    """The simulator's shared arrays under a lock (see tests/cuda/simulator_shared.py): without it a block's
+    threads now and then get arrays of their own and the kernels' reductions come out wrong."""
+    if simulator_active():
+        from tests.cuda import simulator_shared
+
+        simulator_shared.install()
 
 
 def real_gpu() -> bool:
