@@ -1,0 +1,124 @@
+"""What each thread of a real `pantheon serve` costs per streamed token: CPU time a thread took while N streams
+decoded, over the tokens they received, and (with py-spy) where the event loop spends its share.
+
+    .venv/bin/python bench/server_threads.py [--streams 8] [--tokens 256] [--seconds 25] [--py-spy PATH]
+
+The server serves the default model (2 threads, --max-concurrent N); after two warm-up rounds, rounds of N
+streamed greedy chat completions (`bench.concurrency.run_level`, end tokens forbidden) run for --seconds. Each
+thread's user + system time comes from /proc/<pid>/task/<tid>/stat before and after. On the 2-core machines
+every microsecond the event loop or the client takes comes out of the decode step's thread team, whose members
+show ~1 s of CPU a second because they spin at their barriers. With --py-spy (the path of a py-spy binary), it
+samples the server meanwhile (`record --threads --format raw`) and prints the event loop thread's frames by the
+share of its samples that are not an idle wait in epoll. Those are wall time, not CPU time: a thread waiting for
+a core counts where it stands, and a socket write that wakes the client can hand the client the loop's core
+(`strace -c -p PID` counts the writes and their own time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import default_model, write_result  # noqa: E402
+from bench.concurrency import end_token_ids, run_level  # noqa: E402
+from tests.server_process import ServerProcess  # noqa: E402
+
+_IDLE_FRAME = "get_events"  # trio's epoll wait: the event loop with nothing to do
+
+
+def thread_cpu_s(pid: int) -> dict[tuple[int, str], float]:
+    """(thread id, name) -> user + system CPU seconds so far, for each live thread of process `pid`."""
+    tick = os.sysconf("SC_CLK_TCK")
+    times = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+            name = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+        except OSError:  # the thread ended meanwhile
+            continue
+        fields = stat.rsplit(")", 1)[1].split()  # after the name, which may hold spaces
+        times[(int(tid), name)] = (int(fields[11]) + int(fields[12])) / tick
+    return times
+
+
+def busy_frames(raw: str, tid: int, top: int = 25) -> tuple[int, list[tuple[str, float]]]:
+    """From py-spy's raw output: thread `tid`'s samples outside the idle epoll wait, and each function's share
+    of them (counted once a sample, wherever it sits in the stack)."""
+    counts: collections.Counter[str] = collections.Counter()
+    busy = 0
+    for line in raw.splitlines():
+        stack, _, n = line.rpartition(" ")
+        if not stack.startswith(f"thread ({tid})") or not n.isdigit():
+            continue
+        frames = [re.sub(r" \((?:.*/)?([^/:]+):\d+\)$", r" (\1)", f) for f in stack.split(";")[1:]]
+        if not frames or _IDLE_FRAME in frames[-1]:
+            continue
+        busy += int(n)
+        for frame in set(frames):
+            counts[frame] += int(n)
+    return busy, [(frame, c / busy) for frame, c in counts.most_common(top)] if busy else []
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--streams", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--seconds", type=float, default=25.0)
+    parser.add_argument("--py-spy", default=None, help="a py-spy binary: sample the server while it decodes")
+    args = parser.parse_args()
+    model = default_model()
+    server = ServerProcess(["--model", f"{model}:bench", "--max-concurrent", str(args.streams), "--threads", "2",
+                            "--ctx-cap", "2048"], env={}).start()
+    try:
+        assert server.proc is not None
+        pid = server.proc.pid
+        bias = {str(t): -100.0 for t in end_token_ids(model)}
+        for _ in range(2):
+            run_level(server, args.streams, 64, bias)
+        with tempfile.TemporaryDirectory() as scratch:
+            spy_out = Path(scratch) / "spy.txt"
+            spy = None
+            if args.py_spy:
+                spy = subprocess.Popen([args.py_spy, "record", "--pid", str(pid), "--threads", "--format", "raw",
+                                        "--rate", "250", "--nonblocking", "--duration", str(int(args.seconds) + 2),
+                                        "-o", str(spy_out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                time.sleep(1.0)
+            before, start, tokens, rates = thread_cpu_s(pid), time.monotonic(), 0, []
+            while time.monotonic() - start < args.seconds:
+                level = run_level(server, args.streams, args.tokens, bias)
+                tokens += level["completion_tokens"]
+                rates.append(level["aggregate_decode_tok_s"])
+            after, wall = thread_cpu_s(pid), time.monotonic() - start
+            print(f"{args.streams} streams, {wall:.1f} s, {tokens} tokens, aggregate decode tok/s per round: "
+                  f"{', '.join(f'{r:.0f}' for r in rates)}")
+            threads = []
+            for key in sorted(after, key=lambda k: before.get(k, 0.0) - after[k]):
+                spent = after[key] - before.get(key, 0.0)
+                if spent >= 0.01:
+                    print(f"  thread {key[0]} ({key[1]}): {spent:.2f} s of CPU, {1e6 * spent / tokens:.1f} us a token")
+                    threads.append({"tid": key[0], "name": key[1], "event_loop": key[0] == pid, "cpu_s": spent,
+                                    "us_per_token": 1e6 * spent / tokens})
+            frames: list[tuple[str, float]] = []
+            if spy is not None:
+                spy.wait()
+                busy, frames = busy_frames(spy_out.read_text(), pid)  # the event loop runs on the main thread
+                print(f"event loop (thread {pid}): {busy} busy samples; share of them in each function:")
+                for frame, share in frames:
+                    print(f"  {100 * share:5.1f}%  {frame}")
+        write_result("server-threads", {"args": vars(args), "wall_s": wall, "tokens": tokens, "rates": rates,
+                                        "threads": threads, "event_loop_busy_shares": frames})
+    finally:
+        server.stop()
+
+
+if __name__ == "__main__":
+    main()

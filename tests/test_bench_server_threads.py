@@ -1,0 +1,38 @@
+"""bench/server_threads.py's two readers: a thread's CPU time from /proc, and an event loop's busy samples from
+py-spy's raw output."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+from bench.server_threads import busy_frames, thread_cpu_s
+
+
+def test_thread_cpu_counts_what_a_thread_spends() -> None:
+    main = threading.get_native_id()
+    before = thread_cpu_s(os.getpid())
+    deadline = time.thread_time() + 0.2
+    while time.thread_time() < deadline:  # 0.2 s of this thread's CPU
+        pass
+    after = thread_cpu_s(os.getpid())
+    (key,) = [k for k in after if k[0] == main]
+    assert 0.15 <= after[key] - before[key] <= 1.0
+
+
+def test_busy_frames_leave_out_the_idle_wait_and_other_threads() -> None:
+    raw = "\n".join([
+        "thread (7): MainThread;run (trio/_core/_run.py:2400);get_events (trio/_core/_io_epoll.py:243) 50",
+        "thread (7): MainThread;run (trio/_core/_run.py:2400);_flush (pantheon/sched/scheduler.py:370);"
+        "_write_some (pantheon/http/fastsend.py:45) 30",
+        "thread (7): MainThread;run (trio/_core/_run.py:2400);_deliver (pantheon/sched/scheduler.py:640) 10",
+        "thread (8): pantheon-forward;decode_step (pantheon/kernels/cpu/decode_layers.py:683) 90",
+    ])
+    busy, frames = busy_frames(raw, 7)
+    assert busy == 40
+    shares = dict(frames)
+    assert shares["run (_run.py)"] == 1.0
+    assert shares["_write_some (fastsend.py)"] == 0.75
+    assert shares["_deliver (scheduler.py)"] == 0.25
+    assert not any("get_events" in f or "decode_step" in f for f in shares)
