@@ -1,17 +1,19 @@
 """What each thread of a real `pantheon serve` costs per streamed token: CPU time a thread took while N streams
 decoded, over the tokens they received, and (with py-spy) where the event loop spends its share.
 
-    .venv/bin/python bench/server_threads.py [--streams 8] [--tokens 256] [--seconds 25] [--py-spy PATH]
+    .venv/bin/python bench/server_threads.py [--streams 8] [--tokens 256] [--seconds 25] [--perf] [--py-spy PATH]
 
 The server serves the default model (2 threads, --max-concurrent N); after two warm-up rounds, rounds of N
 streamed greedy chat completions (`bench.concurrency.run_level`, end tokens forbidden) run for --seconds. Each
 thread's user + system time comes from /proc/<pid>/task/<tid>/stat before and after. On the 2-core machines
 every microsecond the event loop or the client takes comes out of the decode step's thread team, whose members
-show ~1 s of CPU a second because they spin at their barriers. With --py-spy (the path of a py-spy binary), it
-samples the server meanwhile (`record --threads --format raw`) and prints the event loop thread's frames by the
-share of its samples that are not an idle wait in epoll. Those are wall time, not CPU time: a thread waiting for
-a core counts where it stands, and a socket write that wakes the client can hand the client the loop's core
-(`strace -c -p PID` counts the writes and their own time).
+show ~1 s of CPU a second because they spin at their barriers. With --perf, `perf record` samples the event loop
+thread's CPU meanwhile and its samples are printed by shared object (libpython: its Python; the kernel: its
+syscalls). With --py-spy (the path of a py-spy binary), py-spy samples the server (`record --threads --format
+raw`) and the event loop thread's frames are printed by the share of its samples that are not an idle wait in
+epoll. Those are wall time, not CPU time: a thread waiting for a core counts where it stands, and a socket write
+that wakes the client can hand the client the loop's core inside the call (on the 2-core Zen 4 VM, 2026-12-06,
+70% of its samples sat in the socket write while perf found 75% of the loop's CPU in libpython).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import argparse
 import collections
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -68,11 +71,22 @@ def busy_frames(raw: str, tid: int, top: int = 25) -> tuple[int, list[tuple[str,
     return busy, [(frame, c / busy) for frame, c in counts.most_common(top)] if busy else []
 
 
+def dso_shares(report: str) -> list[tuple[str, float]]:
+    """(shared object, share of the samples) from `perf report --stdio --sort dso`'s table, largest first."""
+    shares = []
+    for line in report.splitlines():
+        fields = line.split()
+        if len(fields) >= 2 and not line.lstrip().startswith("#") and fields[0].endswith("%"):
+            shares.append((" ".join(fields[1:]), float(fields[0][:-1]) / 100.0))
+    return sorted(shares, key=lambda item: -item[1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--seconds", type=float, default=25.0)
+    parser.add_argument("--perf", action="store_true", help="perf record the event loop thread's CPU meanwhile")
     parser.add_argument("--py-spy", default=None, help="a py-spy binary: sample the server while it decodes")
     args = parser.parse_args()
     model = default_model()
@@ -92,6 +106,12 @@ def main() -> None:
                                         "--rate", "250", "--nonblocking", "--duration", str(int(args.seconds) + 2),
                                         "-o", str(spy_out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 time.sleep(1.0)
+            perf_data = Path(scratch) / "loop.perf"
+            perf = None
+            if args.perf:
+                perf = subprocess.Popen(["perf", "record", "-q", "-F", "2000", "-t", str(pid), "-o", str(perf_data)],
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                time.sleep(1.0)
             before, start, tokens, rates = thread_cpu_s(pid), time.monotonic(), 0, []
             while time.monotonic() - start < args.seconds:
                 level = run_level(server, args.streams, args.tokens, bias)
@@ -107,6 +127,16 @@ def main() -> None:
                     print(f"  thread {key[0]} ({key[1]}): {spent:.2f} s of CPU, {1e6 * spent / tokens:.1f} us a token")
                     threads.append({"tid": key[0], "name": key[1], "event_loop": key[0] == pid, "cpu_s": spent,
                                     "us_per_token": 1e6 * spent / tokens})
+            objects: list[tuple[str, float]] = []
+            if perf is not None:
+                perf.send_signal(signal.SIGINT)
+                perf.wait()
+                report = subprocess.run(["perf", "report", "-i", str(perf_data), "--stdio", "--sort", "dso"],
+                                        capture_output=True, text=True).stdout
+                objects = dso_shares(report)
+                print(f"event loop (thread {pid}), perf's CPU samples by shared object:")
+                for name, share in objects[:8]:
+                    print(f"  {100 * share:5.1f}%  {name}")
             frames: list[tuple[str, float]] = []
             if spy is not None:
                 spy.wait()
@@ -115,7 +145,8 @@ def main() -> None:
                 for frame, share in frames:
                     print(f"  {100 * share:5.1f}%  {frame}")
         write_result("server-threads", {"args": vars(args), "wall_s": wall, "tokens": tokens, "rates": rates,
-                                        "threads": threads, "event_loop_busy_shares": frames})
+                                        "threads": threads, "event_loop_cpu_by_object": objects,
+                                        "event_loop_busy_shares": frames})
     finally:
         server.stop()
 

@@ -1,5 +1,5 @@
-"""bench/server_threads.py's two readers: a thread's CPU time from /proc, and an event loop's busy samples from
-py-spy's raw output."""
+"""bench/server_threads.py's readers: a thread's CPU time from /proc, an event loop's busy samples from py-spy's raw
+output, and perf's samples by shared object."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 import threading
 import time
 
-from bench.server_threads import busy_frames, thread_cpu_s
+from bench.server_threads import busy_frames, dso_shares, thread_cpu_s
 
 
 def test_thread_cpu_counts_what_a_thread_spends() -> None:
@@ -36,3 +36,19 @@ def test_busy_frames_leave_out_the_idle_wait_and_other_threads() -> None:
     assert shares["_write_some (fastsend.py)"] == 0.75
     assert shares["_deliver (scheduler.py)"] == 0.25
     assert not any("get_events" in f or "decode_step" in f for f in shares)
+
+
+def test_dso_shares_read_perfs_table() -> None:
+    report = """# Samples: 715  of event 'cpu-clock:ppp'
+#
+# Overhead  Shared Object
+# ........  ..................
+#
+     4.48%  libc.so.6
+    74.83%  libpython3.11.so.1.0
+    15.94%  [kernel.kallsyms]
+     0.56%  [JIT] tid 25626
+"""
+    shares = dso_shares(report)
+    assert [name for name, _ in shares] == ["libpython3.11.so.1.0", "[kernel.kallsyms]", "libc.so.6", "[JIT] tid 25626"]
+    assert [round(share, 4) for _, share in shares] == [0.7483, 0.1594, 0.0448, 0.0056]
