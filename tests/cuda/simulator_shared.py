@@ -9,6 +9,7 @@ as `tests/cuda/test_decode_graphs.py` failing about one run in twenty, at a diff
 interpreter switching threads every 20 us instead of the tests' 500 (`sys.setswitchinterval`), its replay test
 met the race (a second array made for a key already stored) in 3 of 8 runs and failed in 2, both runs with a
 race; with the lock it passed 12 of 12 at 20 us (2026-12-06).
+
 `install` swaps in the same keys and the same arrays, made under a lock. The simulator only: on hardware shared
 memory is the block's by construction.
 """
