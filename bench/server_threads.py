@@ -1,5 +1,5 @@
 """What each thread of a real `pantheon serve` costs per streamed token: CPU time a thread took while N streams
-decoded, over the tokens they received, and (with py-spy) where the event loop spends its share.
+decoded, over the tokens they received, and (with perf or py-spy) where the event loop spends its share.
 
     .venv/bin/python bench/server_threads.py [--streams 8] [--tokens 256] [--seconds 25] [--perf] [--py-spy PATH]
 
@@ -13,7 +13,7 @@ syscalls). With --py-spy (the path of a py-spy binary), py-spy samples the serve
 raw`) and the event loop thread's frames are printed by the share of its samples that are not an idle wait in
 epoll. Those are wall time, not CPU time: a thread waiting for a core counts where it stands, and a socket write
 that wakes the client can hand the client the loop's core inside the call (on the 2-core Zen 4 VM, 2026-12-06,
-70% of its samples sat in the socket write while perf found 75% of the loop's CPU in libpython).
+70% of its samples sat in the socket write while perf found 73-75% of the loop's CPU in libpython).
 """
 
 from __future__ import annotations
