@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import default_model, write_result  # noqa: E402
 from bench.concurrency import end_token_ids, run_level  # noqa: E402
-from tests.server_process import ServerProcess  # noqa: E402
+from bench.http_ab import ROOT, start  # noqa: E402
 
 _IDLE_FRAME = "get_events"  # trio's epoll wait: the event loop with nothing to do
 
@@ -81,6 +81,27 @@ def dso_shares(report: str) -> list[tuple[str, float]]:
     return sorted(shares, key=lambda item: -item[1])
 
 
+def thread_rows(before: dict[tuple[int, str], float], after: dict[tuple[int, str], float], tokens: int,
+                event_loop: int) -> list[dict[str, object]]:
+    """The threads that took at least 10 ms of CPU between the two readings, most first, with their CPU a token."""
+    rows = []
+    for key in sorted(after, key=lambda k: before.get(k, 0.0) - after[k]):
+        spent = after[key] - before.get(key, 0.0)
+        if spent >= 0.01:
+            rows.append({"tid": key[0], "name": key[1], "event_loop": key[0] == event_loop, "cpu_s": spent,
+                         "us_per_token": 1e6 * spent / tokens})
+    return rows
+
+
+def _perf_objects(perf: subprocess.Popen[bytes], data: Path) -> list[tuple[str, float]]:
+    """Stop `perf record` and read its samples by shared object."""
+    perf.send_signal(signal.SIGINT)
+    perf.wait()
+    report = subprocess.run(["perf", "report", "-i", str(data), "--stdio", "--sort", "dso"], capture_output=True,
+                            text=True).stdout
+    return dso_shares(report)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--streams", type=int, default=8)
@@ -89,13 +110,11 @@ def main() -> None:
     parser.add_argument("--perf", action="store_true", help="perf record the event loop thread's CPU meanwhile")
     parser.add_argument("--py-spy", default=None, help="a py-spy binary: sample the server while it decodes")
     args = parser.parse_args()
-    model = default_model()
-    server = ServerProcess(["--model", f"{model}:bench", "--max-concurrent", str(args.streams), "--threads", "2",
-                            "--ctx-cap", "2048"], env={}).start()
+    server = start(ROOT, {}, args.streams)
     try:
         assert server.proc is not None
         pid = server.proc.pid
-        bias = {str(t): -100.0 for t in end_token_ids(model)}
+        bias = {str(t): -100.0 for t in end_token_ids(default_model())}
         for _ in range(2):
             run_level(server, args.streams, 64, bias)
         with tempfile.TemporaryDirectory() as scratch:
@@ -112,28 +131,20 @@ def main() -> None:
                 perf = subprocess.Popen(["perf", "record", "-q", "-F", "2000", "-t", str(pid), "-o", str(perf_data)],
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 time.sleep(1.0)
-            before, start, tokens, rates = thread_cpu_s(pid), time.monotonic(), 0, []
-            while time.monotonic() - start < args.seconds:
+            before, began, tokens, rates = thread_cpu_s(pid), time.monotonic(), 0, []
+            while time.monotonic() - began < args.seconds:
                 level = run_level(server, args.streams, args.tokens, bias)
                 tokens += level["completion_tokens"]
                 rates.append(level["aggregate_decode_tok_s"])
-            after, wall = thread_cpu_s(pid), time.monotonic() - start
+            after, wall = thread_cpu_s(pid), time.monotonic() - began
             print(f"{args.streams} streams, {wall:.1f} s, {tokens} tokens, aggregate decode tok/s per round: "
                   f"{', '.join(f'{r:.0f}' for r in rates)}")
-            threads = []
-            for key in sorted(after, key=lambda k: before.get(k, 0.0) - after[k]):
-                spent = after[key] - before.get(key, 0.0)
-                if spent >= 0.01:
-                    print(f"  thread {key[0]} ({key[1]}): {spent:.2f} s of CPU, {1e6 * spent / tokens:.1f} us a token")
-                    threads.append({"tid": key[0], "name": key[1], "event_loop": key[0] == pid, "cpu_s": spent,
-                                    "us_per_token": 1e6 * spent / tokens})
-            objects: list[tuple[str, float]] = []
-            if perf is not None:
-                perf.send_signal(signal.SIGINT)
-                perf.wait()
-                report = subprocess.run(["perf", "report", "-i", str(perf_data), "--stdio", "--sort", "dso"],
-                                        capture_output=True, text=True).stdout
-                objects = dso_shares(report)
+            threads = thread_rows(before, after, tokens, pid)
+            for row in threads:
+                print(f"  thread {row['tid']} ({row['name']}): {row['cpu_s']:.2f} s of CPU, "
+                      f"{row['us_per_token']:.1f} us a token")
+            objects = _perf_objects(perf, perf_data) if perf is not None else []
+            if objects:
                 print(f"event loop (thread {pid}), perf's CPU samples by shared object:")
                 for name, share in objects[:8]:
                     print(f"  {100 * share:5.1f}%  {name}")

@@ -7,7 +7,7 @@ import os
 import threading
 import time
 
-from bench.server_threads import busy_frames, dso_shares, thread_cpu_s
+from bench.server_threads import busy_frames, dso_shares, thread_cpu_s, thread_rows
 
 
 def test_thread_cpu_counts_what_a_thread_spends() -> None:
@@ -52,3 +52,11 @@ def test_dso_shares_read_perfs_table() -> None:
     shares = dso_shares(report)
     assert [name for name, _ in shares] == ["libpython3.11.so.1.0", "[kernel.kallsyms]", "libc.so.6", "[JIT] tid 25626"]
     assert [round(share, 4) for _, share in shares] == [0.7483, 0.1594, 0.0448, 0.0056]
+
+
+def test_thread_rows_keep_the_busy_threads_most_first() -> None:
+    before = {(1, "loop"): 1.0, (2, "team"): 5.0, (3, "idle"): 0.5}
+    after = {(1, "loop"): 1.5, (2, "team"): 9.0, (3, "idle"): 0.505, (4, "new"): 0.2}
+    rows = thread_rows(before, after, tokens=1000, event_loop=1)
+    assert [(r["tid"], r["event_loop"]) for r in rows] == [(2, False), (1, True), (4, False)]
+    assert [round(r["us_per_token"], 6) for r in rows] == [4000.0, 500.0, 200.0]
