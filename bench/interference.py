@@ -103,7 +103,8 @@ def main() -> None:
     burner = Burner(args.burst_us, args.period_ms)
     levels = [int(v) for v in args.levels.split(",")]
     try:
-        # The quiet setup first, so that the warm-up runs with no burner; compare ends each run's burner itself.
+        # compare switches before every run, its warm-ups too: BUSY starts the burner, QUIET ends it (and the
+        # finally one still running after the last run).
         rates = compare(PantheonBatched(default_model(), args.threads), levels, args.rounds, args.tokens,
                         (QUIET, BUSY), burner.switch)
     finally:
