@@ -9,7 +9,7 @@ what the server's event loop does at 8 streams (a burst of a few tokens' deliver
 what a client on the same machine does. The decoder is `bench.batched`'s, on the default model with 2 threads;
 `bench.step_ab.compare` alternates the two setups run by run. Printed per level: the rates, the per-round ratio
 busy / quiet, and that loss over the burner's share of one core (its CPU time over the runs' wall time, from
-/proc). A loss equal to the share means the burst cost the step its own length: while the burner holds a core,
+/proc, which counts in 10 ms ticks: at a 4% share, runs of a few seconds each, or the share is coarse). A loss equal to the share means the burst cost the step its own length: while the burner holds a core,
 the member it displaced is missing at the next barrier and the other member waits there, so the whole team stops
 (two cores' worth of time for one core's burst). A loss of half the share would be a team that goes on without
 the displaced member.
@@ -18,7 +18,6 @@ the displaced member.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import subprocess
 import sys
@@ -40,12 +39,6 @@ def burn(burst_s: float, period_s: float, seconds: float) -> None:
         time.sleep(max(0.0, period_s - (time.perf_counter() - started)))
 
 
-def process_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process `pid` so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 class Burner:
     """Starts and stops the burner process; counts its CPU time and the wall time it ran."""
 
@@ -58,13 +51,16 @@ class Burner:
         self.wall_s = 0.0
 
     def switch(self, name: str) -> None:
+        # Here, not at the top: the burner process runs this file, and should not import the benches.
+        from bench.server_threads import stat_cpu_s
+
         if name == BUSY and self.proc is None:
             self.proc = subprocess.Popen(self.args)
             time.sleep(0.2)  # past the interpreter's start, which is not counted, before the decode starts
-            self.cpu_at_start = process_cpu_s(self.proc.pid)
+            self.cpu_at_start = stat_cpu_s(Path(f"/proc/{self.proc.pid}/stat"))
             self.started = time.monotonic()
         elif name == QUIET and self.proc is not None:
-            self.cpu_s += process_cpu_s(self.proc.pid) - self.cpu_at_start
+            self.cpu_s += stat_cpu_s(Path(f"/proc/{self.proc.pid}/stat")) - self.cpu_at_start
             self.wall_s += time.monotonic() - self.started
             self.proc.kill()
             self.proc.wait()

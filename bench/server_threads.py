@@ -38,18 +38,23 @@ from bench.http_ab import ROOT, start  # noqa: E402
 _IDLE_FRAME = "get_events"  # trio's epoll wait: the event loop with nothing to do
 
 
+def stat_cpu_s(stat: Path) -> float:
+    """User + system CPU seconds so far from a /proc stat file: a process's (/proc/PID/stat) or a thread's
+    (/proc/PID/task/TID/stat)."""
+    fields = stat.read_text().rsplit(")", 1)[1].split()  # after the name, which may hold spaces
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def thread_cpu_s(pid: int) -> dict[tuple[int, str], float]:
     """(thread id, name) -> user + system CPU seconds so far, for each live thread of process `pid`."""
-    tick = os.sysconf("SC_CLK_TCK")
     times = {}
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
-            stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+            cpu = stat_cpu_s(Path(f"/proc/{pid}/task/{tid}/stat"))
             name = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
         except OSError:  # the thread ended meanwhile
             continue
-        fields = stat.rsplit(")", 1)[1].split()  # after the name, which may hold spaces
-        times[(int(tid), name)] = (int(fields[11]) + int(fields[12])) / tick
+        times[(int(tid), name)] = cpu
     return times
 
 
