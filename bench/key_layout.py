@@ -1,0 +1,197 @@
+"""What a key cache stored dimension by dimension would take off decode attention's key scores, before anyone
+changes the cache's layout for it.
+
+    .venv/bin/python bench/key_layout.py [--batch 8] [--positions 100,400,1000] [--rounds 3] [--keys 200000]
+
+The cpu backend stores a layer's keys position by position (`CpuBackend.kv_pool`: per slot and kv head, one
+row of head-dim values a key), and `attend_ir.key_scores_intrinsic` computes 16 keys' scores with one 16-lane
+partial sum per key and head, then folds the partials pairwise (~25 512-bit operations a key for SmolLM2's 3
+query heads, ~9 of them folds: `bench/attention_parts.py`). Stored dimension by dimension instead (per slot and
+kv head, one row of positions a dimension), 16 consecutive keys of one dimension are one vector and each
+head's 16 scores build up lane by lane, an fma per dimension and head, with no folds. Both layouts are numpy
+views indexed [slot, position, kv head, :], so the rest of the code would read them alike; only the kernels
+that walk the keys (this intrinsic, the prefetches, the cache writes) would care.
+
+This bench builds that second intrinsic here (`key_scores_by_dim_intrinsic`; nothing in pantheon/ uses it) and
+times both over the same float16 keys in the caches, one thread, the query heads of a kv head together:
+`--batch` sequences x the kv heads x each position's keys, 16 at a time, rounds taking turns. Printed per
+position: ns per (sequence, kv head, key) for each layout, and their ratio. The scores are checked against
+numpy first (both within float32 rounding of it; the sums run in different orders). Writes
+bench/results/<date>-key-layout.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import numba  # noqa: E402
+import numpy as np  # noqa: E402
+from llvmlite import ir  # noqa: E402
+from numba import types  # noqa: E402
+from numba.extending import intrinsic  # noqa: E402
+
+from bench.common import write_result  # noqa: E402
+from pantheon.kernels.cpu import attend_ir  # noqa: E402
+from pantheon.kernels.cpu.attend_ir import LANES, _load_f32, _raise_max  # noqa: E402
+from pantheon.kernels.cpu.llvm_ir import byte_ptr, counted_loop, fma, splat  # noqa: E402
+
+_i64, _f32 = ir.IntType(64), ir.FloatType()
+_vf = ir.VectorType(_f32, LANES)
+# Independent accumulators per head: one chain per head would wait on each fma's latency (4 cycles).
+DIM_CHAINS = 4
+
+
+def key_scores_by_dim_intrinsic(width: int) -> Any:
+    """`attend_ir.key_scores_intrinsic`'s call over keys (ctx, Hkv, hd) stored dimension by dimension:
+    strides[0] is the item size, and each dimension's row holds at least j0 + 16 positions (the caller's
+    promise). Key i's score lands in lane i; lanes i >= n hold whatever positions j0 + i hold (stored, never
+    read, left out of the max). The head dimension must be a multiple of DIM_CHAINS."""
+
+    def key_scores(typingctx, q_rows, h0, keys, kvh, j0, n, scale, scores, col, maxes):  # type: ignore[no-untyped-def]
+        return types.void(q_rows, h0, keys, kvh, j0, n, scale, scores, col, maxes), codegen
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        q_t, _, keys_t, _, _, _, _, scores_t, _, maxes_t = signature.args
+        q = context.make_array(q_t)(context, builder, args[0])
+        k = context.make_array(keys_t)(context, builder, args[2])
+        s = context.make_array(scores_t)(context, builder, args[7])
+        m = context.make_array(maxes_t)(context, builder, args[9])
+        h0, kvh, j0, n, scale, col = args[1], args[3], args[4], args[5], args[6], args[8]
+        half = keys_t.dtype == types.uint16
+        item = 2 if half else 4
+        q_stride, s_stride = (builder.extract_value(a.strides, 0) for a in (q, s))
+        d_stride = builder.extract_value(k.strides, 2)
+        base = builder.add(builder.mul(j0, ir.Constant(_i64, item)),
+                           builder.mul(kvh, builder.extract_value(k.strides, 1)))
+        n_steps = builder.sdiv(builder.extract_value(q.shape, 1), ir.Constant(_i64, DIM_CHAINS))
+        q_rows = [builder.bitcast(byte_ptr(builder, q.data, builder.mul(builder.add(h0, ir.Constant(_i64, h)),
+                                                                        q_stride)), _f32.as_pointer())
+                  for h in range(width)]
+
+        def step(i, accs):  # type: ignore[no-untyped-def]
+            d0 = builder.mul(i, ir.Constant(_i64, DIM_CHAINS))
+            updated = list(accs)
+            for c in range(DIM_CHAINS):
+                d = builder.add(d0, ir.Constant(_i64, c))
+                kv = _load_f32(builder, byte_ptr(builder, k.data, builder.add(base, builder.mul(d, d_stride))), half)
+                for h in range(width):
+                    qd = splat(builder, builder.load(builder.gep(q_rows[h], [d])), LANES)
+                    updated[c * width + h] = fma(builder, qd, kv, accs[c * width + h])
+            return updated
+
+        accs = counted_loop(builder, n_steps, [ir.Constant(_vf, None)] * (DIM_CHAINS * width), step)
+        scale_v = splat(builder, scale, LANES)
+        live = builder.icmp_signed("<", ir.Constant(ir.VectorType(_i64, LANES), list(range(LANES))),
+                                   splat(builder, n, LANES))
+        minus_inf = ir.Constant(_vf, [float("-inf")] * LANES)
+        for h in range(width):
+            total = accs[h]
+            for c in range(1, DIM_CHAINS):
+                total = builder.fadd(total, accs[c * width + h])
+            at = builder.add(builder.mul(builder.add(h0, ir.Constant(_i64, h)), s_stride),
+                             builder.mul(col, ir.Constant(_i64, 4)))
+            scaled = builder.fmul(total, scale_v)
+            builder.store(scaled, builder.bitcast(byte_ptr(builder, s.data, at), _vf.as_pointer()), align=4)
+            head_max = builder.bitcast(byte_ptr(builder, m.data, builder.mul(
+                builder.add(h0, ir.Constant(_i64, h)), builder.extract_value(m.strides, 0))), _f32.as_pointer())
+            builder.store(_raise_max(builder, builder.load(head_max), builder.select(live, scaled, minus_inf)),
+                          head_max)
+        return context.get_dummy_value()
+
+    key_scores.__name__ = key_scores.__qualname__ = f"bench_key_scores_by_dim_{width}"
+    return intrinsic(key_scores)
+
+
+_BY_ROW = attend_ir.key_scores_intrinsic(3)
+_BY_DIM = key_scores_by_dim_intrinsic(3)
+
+
+@numba.njit(nogil=True)
+def scores_by_row(q, pool, ctx, scale, scores, maxes, reps):  # type: ignore[no-untyped-def]
+    """Every sequence's and kv head's scores of keys 0 .. ctx - 1, reps times, over position-major keys.
+    scores[b, kvh] (3, >= ctx rounded up to 16) and maxes[b, kvh] (3,) take the last rep's."""
+    for _ in range(reps):
+        for b in range(pool.shape[0]):
+            keys = pool[b]
+            for kvh in range(keys.shape[1]):
+                for j0 in range(0, ctx, LANES):
+                    _BY_ROW(q, 0, keys, kvh, j0, min(LANES, ctx - j0), scale, scores[b, kvh], j0, maxes[b, kvh])
+
+
+@numba.njit(nogil=True)
+def scores_by_dim(q, pool, ctx, scale, scores, maxes, reps):  # type: ignore[no-untyped-def]
+    """`scores_by_row` over dimension-major keys."""
+    for _ in range(reps):
+        for b in range(pool.shape[0]):
+            keys = pool[b]
+            for kvh in range(keys.shape[1]):
+                for j0 in range(0, ctx, LANES):
+                    _BY_DIM(q, 0, keys, kvh, j0, min(LANES, ctx - j0), scale, scores[b, kvh], j0, maxes[b, kvh])
+
+
+def make_keys(batch: int, kv_heads: int, ctx: int, head_dim: int, seed: int = 0
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The same float16 keys in both layouts, as [slot, position, kv head, :] views of uint16 bits (each
+    layout's rows padded to a multiple of 16 positions, zeros past ctx), and the keys as float32."""
+    cap = -(-ctx // LANES) * LANES
+    values = np.random.default_rng(seed).standard_normal((batch, kv_heads, ctx, head_dim)).astype(np.float16)
+    by_row = np.zeros((batch, kv_heads, cap, head_dim), np.uint16)
+    by_row[:, :, :ctx] = values.view(np.uint16)
+    by_dim = np.zeros((batch, kv_heads, head_dim, cap), np.uint16)
+    by_dim[:, :, :, :ctx] = values.view(np.uint16).transpose(0, 1, 3, 2)
+    return by_row.transpose(0, 2, 1, 3), by_dim.transpose(0, 3, 1, 2), values.astype(np.float32)
+
+
+def run(batch: int, position: int, rounds: int, keys_per_call: int, kv_heads: int = 3, head_dim: int = 64
+        ) -> dict[str, Any]:
+    by_row, by_dim, keys = make_keys(batch, kv_heads, position, head_dim)
+    q = np.random.default_rng(1).standard_normal((3, head_dim)).astype(np.float32)
+    scale = np.float32(head_dim ** -0.5)
+    want = np.einsum("bkpd,hd->bkhp", keys, q) * scale
+    cap = by_row.shape[1]  # positions a row holds: a multiple of 16, so each call's 16 lanes stay inside
+    outputs = {}
+    for name, fn, pool in (("by_row", scores_by_row, by_row), ("by_dim", scores_by_dim, by_dim)):
+        scores = np.zeros((batch, kv_heads, 3, cap), np.float32)
+        maxes = np.full((batch, kv_heads, 3), -np.inf, np.float32)
+        fn(q, pool, position, scale, scores, maxes, 1)
+        np.testing.assert_allclose(scores[..., :position], want, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(maxes, want.max(axis=-1), rtol=1e-5, atol=1e-5)
+        outputs[name] = (fn, pool, scores, maxes)
+    reps = max(1, keys_per_call // (batch * kv_heads * position))
+    times: dict[str, list[float]] = {name: [] for name in outputs}
+    for _ in range(rounds):
+        for name, (fn, pool, scores, maxes) in outputs.items():
+            start = time.perf_counter()
+            fn(q, pool, position, scale, scores, maxes, reps)
+            times[name].append((time.perf_counter() - start) / (reps * batch * kv_heads * position) * 1e9)
+    ns = {name: statistics.median(t) for name, t in times.items()}
+    return {"position": position, "ns_per_key": ns, "rounds_ns_per_key": times,
+            "by_dim_over_by_row": ns["by_dim"] / ns["by_row"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--positions", default="100,400,1000")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--keys", type=int, default=2_000_000, help="(sequence, kv head, key) triples a timed call")
+    args = ap.parse_args()
+    numba.set_num_threads(1)
+    rows = [run(args.batch, int(p), args.rounds, args.keys) for p in args.positions.split(",")]
+    print(f"key scores, batch {args.batch}, 3 query heads a kv head of 64, float16 keys in the caches, one thread;"
+          " ns per (sequence, kv head, key), median of rounds")
+    for row in rows:
+        ns = row["ns_per_key"]
+        print(f"  position {row['position']:>5}: by row {ns['by_row']:.2f}  by dimension {ns['by_dim']:.2f}"
+              f"  ratio {row['by_dim_over_by_row']:.2f}")
+    print("wrote", write_result("key-layout", {"args": vars(args), "positions": rows}))
+
+
+if __name__ == "__main__":
+    main()
