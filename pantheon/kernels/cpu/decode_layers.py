@@ -350,7 +350,7 @@ def _team_member(gemm, t, n_threads, spin_limit, sync, claims, x, h, qtypes, col
                                   positions)
             b, h0, n_heads = ops._attention_qkv_item(item, qkv, False, cos_table, sin_table, k_pool, v_pool, slots,
                                                      positions, scale32, attn, first_item, per_subgroup, n_subgroups,
-                                                     part_max, part_sum, part_acc, scratch)
+                                                     part_max, part_sum, part_acc, scratch, False)
             if items_quantize:  # the item's output rows are whole: quantized for the out matmul at once
                 _quantize_blocks(attn_rows, q_a, flips[li, OUT], b, h0 * head_blocks, (h0 + n_heads) * head_blocks)
         if not items_quantize:  # a member's rows once every item is done: merged (split runs), then quantized

@@ -671,7 +671,7 @@ def _values_for_heads(acc, h, width, weights, values, kvh, j0, n):
 
 @_njit
 def _attend_group(q_rows, group, n_tok, keys, values, kvh, k_lo, k_hi, k_cap, scale, row_max, row_sum, acc, scores,
-                  tile_max):
+                  tile_max, tile_prefetch=True):
     """Online softmax of n_tok tokens' query rows of kv head kvh: token t's `group` rows are q_rows[t * group :
     (t + 1) * group] (hd wide), and it attends key rows k_lo .. min(k_hi + t, k_cap) - 1 (consecutive positions:
     a decode item has n_tok 1 and k_cap = k_hi). row_max, row_sum, acc, scores and tile_max have a row per
@@ -682,14 +682,21 @@ def _attend_group(q_rows, group, n_tok, keys, values, kvh, k_lo, k_hi, k_cap, sc
     max and sum and its rescaled accumulator, then the weighted values. Weights below MIN_WEIGHT become 0,
     which add nothing (`_attend_row` skips those rows). A token's rows go through the same operations whatever
     n_tok is: the tokens only take turns inside each tile, so a prefilled position gets a decoded one's bits
-    while the tile's keys and values are read from memory once for all of them."""
+    while the tile's keys and values are read from memory once for all of them.
+
+    With tile_prefetch, each tile's values and the next tile's keys are asked for into L1 before its scores
+    (attend_ir.prefetch_rows_intrinsic), the first tile's keys at once: ~4 prefetches a key, ~15% of the
+    attention's time when the rows are in the caches already (`bench/attention_parts.py`'s shapes, position
+    400, 2026-12-06). The decode step's team asks for a whole item's rows into L2 before it (`decode_layers.
+    _prefetch_item_kv`) and goes without them: `bench/step_ab.py` (2-core Zen 4 VM, 2026-12-06, 8-12 rounds),
+    batch 8 +1.5%, +1.0% at 128 tokens and +2.8% at 256, batch 1 +0.4%, +1.6%."""
     k_end = min(k_hi + n_tok - 1, k_cap)
-    # Ask for the memory a tile needs before its scores are computed (attend_ir.prefetch_rows_intrinsic):
-    # its values and the next tile's keys; the first tile's keys at once.
-    _prefetch_rows(keys, kvh, k_lo, min(k_end, k_lo + KEY_TILE))
+    if tile_prefetch:
+        _prefetch_rows(keys, kvh, k_lo, min(k_end, k_lo + KEY_TILE))
     for k0 in range(k_lo, k_end, KEY_TILE):
-        _prefetch_rows(values, kvh, k0, min(k_end, k0 + KEY_TILE))
-        _prefetch_rows(keys, kvh, min(k_end, k0 + KEY_TILE), min(k_end, k0 + 2 * KEY_TILE))
+        if tile_prefetch:
+            _prefetch_rows(values, kvh, k0, min(k_end, k0 + KEY_TILE))
+            _prefetch_rows(keys, kvh, min(k_end, k0 + KEY_TILE), min(k_end, k0 + 2 * KEY_TILE))
         for t in range(n_tok):
             k1 = min(min(k_hi + t, k_cap), k0 + KEY_TILE)
             if k1 <= k0:
@@ -797,10 +804,10 @@ def _item_scratch(max_heads, head_dim):
 
 @_njit
 def _attend_item(n_heads, keys, values, kvh, k_lo, k_hi, scale32, b, h0, split, single_run, out,
-                 part_max, part_sum, part_acc, scratch):
+                 part_max, part_sum, part_acc, scratch, tile_prefetch=True):
     """Attend the first n_heads query rows of scratch's q_rows (already rounded to the cache's type) over keys
     k_lo .. k_hi - 1; a sequence's single run writes its output rows at once, a split one leaves its softmax
-    state for `_merge_splits`."""
+    state for `_merge_splits`. tile_prefetch: `_attend_group`'s."""
     q_all, max_all, sum_all, acc_all, scores_all, tile_all = scratch
     q_rows, row_max, row_sum, acc, scores, tile_max = (q_all[:n_heads], max_all[:n_heads], sum_all[:n_heads],
                                                        acc_all[:n_heads], scores_all[:n_heads], tile_all[:n_heads])
@@ -808,7 +815,7 @@ def _attend_item(n_heads, keys, values, kvh, k_lo, k_hi, scale32, b, h0, split, 
     row_sum[:] = 0.0
     acc[:, :] = 0.0
     _attend_group(q_rows, n_heads, 1, keys, values, kvh, k_lo, k_hi, k_hi, scale32, row_max, row_sum, acc, scores,
-                  tile_max)
+                  tile_max, tile_prefetch)
     _leave_rows(out, b, h0, n_heads, split, single_run, row_max, row_sum, acc, part_max, part_sum, part_acc)
 
 
@@ -973,9 +980,10 @@ def _attention_decode_qkv_kernel(qkv, neox, cos_table, sin_table, k_all, v_all, 
 # +1.5%; `bench/cold_start.py`: 65.7 s against 72.8 s, one start each (no cost seen).
 @_njit_inline
 def _attention_qkv_item(item, qkv, neox, cos_table, sin_table, k_all, v_all, slot_ids, positions, scale32, out,
-                        first_item, per_subgroup, n_subgroups, part_max, part_sum, part_acc, scratch):
+                        first_item, per_subgroup, n_subgroups, part_max, part_sum, part_acc, scratch,
+                        tile_prefetch=True):
     """Work item `item` of `_attention_decode_qkv_kernel` (see `_decode_layout`); scratch from
-    `_item_scratch(per_subgroup, head_dim)`. Returns (b, h0, n_heads): the output rows out[b, h0 : h0 + n_heads]
+    `_item_scratch(per_subgroup, head_dim)`; tile_prefetch: `_attend_group`'s. Returns (b, h0, n_heads): the output rows out[b, h0 : h0 + n_heads]
     it wrote (or, for a split run, the rows whose softmax state it left)."""
     n_q_heads, head_dim = out.shape[1], out.shape[2]
     n_kv_heads = k_all.shape[2]
@@ -996,7 +1004,7 @@ def _attention_qkv_item(item, qkv, neox, cos_table, sin_table, k_all, v_all, slo
             q_rows[i, c] = _kv_to_f32(_f32_to_kv(q_rows[i, c], keys))
     _attend_item(n_heads, keys, values, kvh, k_lo, k_hi, scale32, b, h0, split,
                  first_item[b + 1] - first_item[b] == n_kv_heads * n_subgroups, out, part_max, part_sum, part_acc,
-                 scratch)
+                 scratch, tile_prefetch)
     return b, h0, n_heads
 
 
