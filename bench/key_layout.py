@@ -1,5 +1,5 @@
-"""What a key cache stored dimension by dimension would take off decode attention's key scores, before anyone
-changes the cache's layout for it.
+"""What a key cache stored dimension by dimension takes off decode attention's key scores, with the keys in the
+caches.
 
     .venv/bin/python bench/key_layout.py [--batch 8] [--positions 100,400,1000] [--rounds 3] [--keys 200000]
 
@@ -18,6 +18,17 @@ times both over the same float16 keys in the caches, one thread, the query heads
 position: ns per (sequence, kv head, key) for each layout, and their ratio. The scores are checked against
 numpy first (both within float32 rounding of it; the sums run in different orders). Writes
 bench/results/<date>-key-layout.json.
+
+On the 2-core Zen 4 VM (2026-12-06, `--rounds 5`, `2026-12-06-key-layout.json`): by dimension 0.67, 0.67 and 0.72 of
+the time at positions 100, 400 and 1000. That did not carry over to the decode step. The whole cache laid out so
+(each slot's and kv head's keys as one row of positions per dimension, padded to a multiple of 16: a strided view,
+so the rest of the code read it unchanged) with this intrinsic in the attention, against the tree without it
+(`bench/http_ab.py`, 16 then 12 pairs, 128 tokens a stream; `2026-12-06-http-ab-keys-by-dimension.json` is the
+second run): batch 1 0.85 and 0.92, batch 8 0.94 and 0.90 (the second run with the key pools on huge pages): a
+sequence's keys for one item became 64 short runs a page apart instead of one run, and the attention waits on memory
+in the step (`bench/phase_profile.py --attention-twice`: a third of its time). A layout that keeps tiles of 16 keys
+together (dimension-major inside a tile) would keep the one run, but is no strided view of [slot, position, kv
+head, :]: every reader and writer of the keys would have to know it. Not done.
 """
 
 from __future__ import annotations
