@@ -49,7 +49,7 @@ from numba.extending import intrinsic  # noqa: E402
 
 from bench.common import write_result  # noqa: E402
 from pantheon.kernels.cpu import attend_ir  # noqa: E402
-from pantheon.kernels.cpu.attend_ir import LANES, _load_f32, _raise_max  # noqa: E402
+from pantheon.kernels.cpu.attend_ir import LANES, _load_f32, _raise_max, key_scores_operands  # noqa: E402
 from pantheon.kernels.cpu.llvm_ir import byte_ptr, counted_loop, fma, splat  # noqa: E402
 
 _i64, _f32 = ir.IntType(64), ir.FloatType()
@@ -68,13 +68,7 @@ def key_scores_by_dim_intrinsic(width: int) -> Any:
         return types.void(q_rows, h0, keys, kvh, j0, n, scale, scores, col, maxes), codegen
 
     def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-        q_t, _, keys_t, _, _, _, _, scores_t, _, maxes_t = signature.args
-        q = context.make_array(q_t)(context, builder, args[0])
-        k = context.make_array(keys_t)(context, builder, args[2])
-        s = context.make_array(scores_t)(context, builder, args[7])
-        m = context.make_array(maxes_t)(context, builder, args[9])
-        h0, kvh, j0, n, scale, col = args[1], args[3], args[4], args[5], args[6], args[8]
-        half = keys_t.dtype == types.uint16
+        q, k, s, m, (h0, kvh, j0, n, scale, col), half = key_scores_operands(context, builder, signature, args)
         item = 2 if half else 4
         q_stride, s_stride = (builder.extract_value(a.strides, 0) for a in (q, s))
         d_stride = builder.extract_value(k.strides, 2)
@@ -124,26 +118,19 @@ _BY_DIM = key_scores_by_dim_intrinsic(3)
 
 
 @numba.njit(nogil=True)
-def scores_by_row(q, pool, ctx, scale, scores, maxes, reps):  # type: ignore[no-untyped-def]
-    """Every sequence's and kv head's scores of keys 0 .. ctx - 1, reps times, over position-major keys.
-    scores[b, kvh] (3, >= ctx rounded up to 16) and maxes[b, kvh] (3,) take the last rep's."""
+def scores_all(q, pool, ctx, scale, scores, maxes, reps, by_dim):  # type: ignore[no-untyped-def]
+    """Every sequence's and kv head's scores of keys 0 .. ctx - 1, reps times, over position-major keys or (by_dim)
+    dimension-major ones. scores[b, kvh] (3, >= ctx rounded up to 16) and maxes[b, kvh] (3,) take the last rep's."""
     for _ in range(reps):
         for b in range(pool.shape[0]):
             keys = pool[b]
             for kvh in range(keys.shape[1]):
                 for j0 in range(0, ctx, LANES):
-                    _BY_ROW(q, 0, keys, kvh, j0, min(LANES, ctx - j0), scale, scores[b, kvh], j0, maxes[b, kvh])
-
-
-@numba.njit(nogil=True)
-def scores_by_dim(q, pool, ctx, scale, scores, maxes, reps):  # type: ignore[no-untyped-def]
-    """`scores_by_row` over dimension-major keys."""
-    for _ in range(reps):
-        for b in range(pool.shape[0]):
-            keys = pool[b]
-            for kvh in range(keys.shape[1]):
-                for j0 in range(0, ctx, LANES):
-                    _BY_DIM(q, 0, keys, kvh, j0, min(LANES, ctx - j0), scale, scores[b, kvh], j0, maxes[b, kvh])
+                    n = min(LANES, ctx - j0)
+                    if by_dim:
+                        _BY_DIM(q, 0, keys, kvh, j0, n, scale, scores[b, kvh], j0, maxes[b, kvh])
+                    else:
+                        _BY_ROW(q, 0, keys, kvh, j0, n, scale, scores[b, kvh], j0, maxes[b, kvh])
 
 
 def make_keys(batch: int, kv_heads: int, ctx: int, head_dim: int, seed: int = 0
@@ -167,19 +154,19 @@ def run(batch: int, position: int, rounds: int, keys_per_call: int, kv_heads: in
     want = np.einsum("bkpd,hd->bkhp", keys, q) * scale
     cap = by_row.shape[1]  # positions a row holds: a multiple of 16, so each call's 16 lanes stay inside
     outputs = {}
-    for name, fn, pool in (("by_row", scores_by_row, by_row), ("by_dim", scores_by_dim, by_dim)):
+    for name, pool in (("by_row", by_row), ("by_dim", by_dim)):
         scores = np.zeros((batch, kv_heads, 3, cap), np.float32)
         maxes = np.full((batch, kv_heads, 3), -np.inf, np.float32)
-        fn(q, pool, position, scale, scores, maxes, 1)
+        scores_all(q, pool, position, scale, scores, maxes, 1, name == "by_dim")
         np.testing.assert_allclose(scores[..., :position], want, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(maxes, want.max(axis=-1), rtol=1e-5, atol=1e-5)
-        outputs[name] = (fn, pool, scores, maxes)
+        outputs[name] = (pool, scores, maxes)
     reps = max(1, keys_per_call // (batch * kv_heads * position))
     times: dict[str, list[float]] = {name: [] for name in outputs}
     for _ in range(rounds):
-        for name, (fn, pool, scores, maxes) in outputs.items():
+        for name, (pool, scores, maxes) in outputs.items():
             start = time.perf_counter()
-            fn(q, pool, position, scale, scores, maxes, reps)
+            scores_all(q, pool, position, scale, scores, maxes, reps, name == "by_dim")
             times[name].append((time.perf_counter() - start) / (reps * batch * kv_heads * position) * 1e9)
     ns = {name: statistics.median(t) for name, t in times.items()}
     return {"position": position, "ns_per_key": ns, "rounds_ns_per_key": times,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bench.key_layout import make_keys, run, scores_by_dim, scores_by_row
+from bench.key_layout import make_keys, run, scores_all
 
 pytestmark = pytest.mark.slow
 
@@ -19,10 +19,10 @@ def test_both_layouts_score_the_same_keys_alike() -> None:
     by_row, by_dim, keys = make_keys(batch=1, kv_heads=3, ctx=40, head_dim=16, seed=3)
     q = np.random.default_rng(4).standard_normal((3, 16)).astype(np.float32)
     got = {}
-    for name, fn, pool in (("row", scores_by_row, by_row), ("dim", scores_by_dim, by_dim)):
+    for name, pool in (("row", by_row), ("dim", by_dim)):
         scores = np.zeros((1, 3, 3, 48), np.float32)
         maxes = np.full((1, 3, 3), -np.inf, np.float32)
-        fn(q, pool, 40, np.float32(0.25), scores, maxes, 1)
+        scores_all(q, pool, 40, np.float32(0.25), scores, maxes, 1, name == "dim")
         got[name] = (scores[..., :40], maxes)
     np.testing.assert_allclose(got["dim"][0], got["row"][0], rtol=1e-5, atol=1e-6)  # sums in another order
     for scores, maxes in got.values():
@@ -35,7 +35,7 @@ def test_positions_past_the_run_stay_out_of_the_max() -> None:
     q = np.ones((3, 16), np.float32)  # those positions would score 800
     scores = np.zeros((1, 3, 3, 32), np.float32)
     maxes = np.full((1, 3, 3), -np.inf, np.float32)
-    scores_by_dim(q, by_dim, 20, np.float32(1.0), scores, maxes, 1)
+    scores_all(q, by_dim, 20, np.float32(1.0), scores, maxes, 1, True)
     want = np.einsum("bkpd,hd->bkhp", keys, q)
     np.testing.assert_allclose(maxes, want.max(axis=-1), rtol=1e-5)
     assert (scores[..., 20:32] > 700).all()  # stored, as the docstring says, but not in the max

@@ -97,6 +97,17 @@ def _raise_max(builder: ir.IRBuilder, current: ir.Value, values: ir.Value) -> ir
     return _larger(builder, current, builder.extract_element(values, ir.Constant(_i32, 0)))
 
 
+def key_scores_operands(context: Any, builder: ir.IRBuilder, signature: Any, args: Any) -> tuple[Any, ...]:
+    """A key-scores intrinsic's arguments (q_rows, h0, keys, kvh, j0, n, scale, scores, col, maxes) in its codegen:
+    (q_rows, keys, scores, maxes as numba array structs, (h0, kvh, j0, n, scale, col), whether the keys are
+    float16 bits)."""
+    q_t, _, keys_t, _, _, _, _, scores_t, _, maxes_t = signature.args
+    arrays = [context.make_array(t)(context, builder, args[i]) for t, i in ((q_t, 0), (keys_t, 2), (scores_t, 7),
+                                                                              (maxes_t, 9))]
+    scalars = (args[1], args[3], args[4], args[5], args[6], args[8])
+    return (*arrays, scalars, keys_t.dtype == types.uint16)
+
+
 def key_scores_intrinsic(width: int) -> Any:
     """An intrinsic (q_rows, h0, keys, kvh, j0, n, scale, scores, col, maxes): for query rows
     q_rows[h0 : h0 + width] (float32 (G, hd)) and key rows keys[j0 + i, kvh] (a cache (ctx, Hkv, hd), any strides
@@ -112,13 +123,7 @@ def key_scores_intrinsic(width: int) -> Any:
         return types.void(q_rows, h0, keys, kvh, j0, n, scale, scores, col, maxes), codegen
 
     def codegen(context, builder, signature, args):
-        q_t, _, keys_t, _, _, _, _, scores_t, _, maxes_t = signature.args
-        q = context.make_array(q_t)(context, builder, args[0])
-        k = context.make_array(keys_t)(context, builder, args[2])
-        s = context.make_array(scores_t)(context, builder, args[7])
-        m = context.make_array(maxes_t)(context, builder, args[9])
-        h0, kvh, j0, n, scale, col = args[1], args[3], args[4], args[5], args[6], args[8]
-        half = keys_t.dtype == types.uint16
+        q, k, s, m, (h0, kvh, j0, n, scale, col), half = key_scores_operands(context, builder, signature, args)
         item = 2 if half else 4
         q_stride, s_stride = (builder.extract_value(a.strides, 0) for a in (q, s))
         k_row_stride = builder.extract_value(k.strides, 0)
