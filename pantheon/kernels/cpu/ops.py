@@ -687,9 +687,10 @@ def _attend_group(q_rows, group, n_tok, keys, values, kvh, k_lo, k_hi, k_cap, sc
     With tile_prefetch, each tile's values and the next tile's keys are asked for into L1 before its scores
     (attend_ir.prefetch_rows_intrinsic), the first tile's keys at once: ~4 prefetches a key, ~15% of the
     attention's time when the rows are in the caches already (`bench/attention_parts.py`'s shapes, position
-    400, 2026-12-06). The decode step's team asks for a whole item's rows into L2 before it (`decode_layers.
-    _prefetch_item_kv`) and goes without them: `bench/step_ab.py` (2-core Zen 4 VM, 2026-12-06, 8-12 rounds),
-    batch 8 +1.5%, +1.0% at 128 tokens and +2.8% at 256, batch 1 +0.4%, +1.6%."""
+    400, 2026-12-06). The decode step's team asks for a whole item's rows into L2 before it
+    (`decode_layers._prefetch_item_kv`) and goes without them: `bench/step_ab.py` (2-core Zen 4 VM, 2026-12-06,
+    8-12 rounds), batch 8 +1.5%, +1.0% at 128 tokens and +2.8% at 256, batch 1 +0.4%, +1.6%; over HTTP
+    (`bench/http_ab.py`, 16 pairs) 8 streams +2.1%, 1 stream +0.4%."""
     k_end = min(k_hi + n_tok - 1, k_cap)
     if tile_prefetch:
         _prefetch_rows(keys, kvh, k_lo, min(k_end, k_lo + KEY_TILE))
@@ -983,8 +984,8 @@ def _attention_qkv_item(item, qkv, neox, cos_table, sin_table, k_all, v_all, slo
                         first_item, per_subgroup, n_subgroups, part_max, part_sum, part_acc, scratch,
                         tile_prefetch=True):
     """Work item `item` of `_attention_decode_qkv_kernel` (see `_decode_layout`); scratch from
-    `_item_scratch(per_subgroup, head_dim)`; tile_prefetch: `_attend_group`'s. Returns (b, h0, n_heads): the output rows out[b, h0 : h0 + n_heads]
-    it wrote (or, for a split run, the rows whose softmax state it left)."""
+    `_item_scratch(per_subgroup, head_dim)`; tile_prefetch: `_attend_group`'s. Returns (b, h0, n_heads): the output
+    rows out[b, h0 : h0 + n_heads] it wrote (or, for a split run, the rows whose softmax state it left)."""
     n_q_heads, head_dim = out.shape[1], out.shape[2]
     n_kv_heads = k_all.shape[2]
     group = n_q_heads // n_kv_heads
