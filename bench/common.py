@@ -65,3 +65,10 @@ def write_result(name: str, payload: dict[str, Any]) -> Path:
     path.write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine(), **payload},
                                indent=2))
     return path
+
+
+def stat_cpu_s(stat: Path) -> float:
+    """User + system CPU seconds so far from a /proc stat file: a process's (/proc/PID/stat) or a thread's
+    (/proc/PID/task/TID/stat)."""
+    fields = stat.read_text().rsplit(")", 1)[1].split()  # after the name, which may hold spaces
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

@@ -9,8 +9,9 @@ what the server's event loop does at 8 streams (a burst of a few tokens' deliver
 what a client on the same machine does. The decoder is `bench.batched`'s, on the default model with 2 threads;
 `bench.step_ab.compare` alternates the two setups run by run. Printed per level: the rates, the per-round ratio
 busy / quiet, and that loss over the burner's share of one core (its CPU time over the runs' wall time, from
-/proc, which counts in 10 ms ticks: at a 4% share, runs of a few seconds each, or the share is coarse). A loss equal to the share means the burst cost the step its own length: while the burner holds a core,
-the member it displaced is missing at the next barrier and the other member waits there, so the whole team stops
+/proc, which counts in 10 ms ticks: at a 4% share, runs of a few seconds each, or the share is coarse). A loss
+equal to the share means the burst cost the step its own length: while the burner holds a core, the member it
+displaced is missing at the next barrier and the other member waits there, so the whole team stops
 (two cores' worth of time for one core's burst). A loss of half the share would be a team that goes on without
 the displaced member.
 """
@@ -25,6 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.common import stat_cpu_s  # noqa: E402  (light: the burner process imports this file too)
 
 QUIET, BUSY = "quiet", "busy"
 
@@ -51,9 +53,6 @@ class Burner:
         self.wall_s = 0.0
 
     def switch(self, name: str) -> None:
-        # Here, not at the top: the burner process runs this file, and should not import the benches.
-        from bench.server_threads import stat_cpu_s
-
         if name == BUSY and self.proc is None:
             self.proc = subprocess.Popen(self.args)
             time.sleep(0.2)  # past the interpreter's start, which is not counted, before the decode starts

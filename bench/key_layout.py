@@ -49,11 +49,10 @@ from numba.extending import intrinsic  # noqa: E402
 
 from bench.common import write_result  # noqa: E402
 from pantheon.kernels.cpu import attend_ir  # noqa: E402
-from pantheon.kernels.cpu.attend_ir import LANES, _load_f32, _raise_max, key_scores_operands  # noqa: E402
+from pantheon.kernels.cpu.attend_ir import (LANES, _f32, _i64, _load_f32, _raise_max, _vf,  # noqa: E402
+                                            key_scores_operands)
 from pantheon.kernels.cpu.llvm_ir import byte_ptr, counted_loop, fma, splat  # noqa: E402
 
-_i64, _f32 = ir.IntType(64), ir.FloatType()
-_vf = ir.VectorType(_f32, LANES)
 # Independent accumulators per head: one chain per head would wait on each fma's latency (4 cycles).
 DIM_CHAINS = 4
 

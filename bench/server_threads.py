@@ -31,18 +31,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import default_model, write_result  # noqa: E402
+from bench.common import default_model, stat_cpu_s, write_result  # noqa: E402
 from bench.concurrency import end_token_ids, run_level  # noqa: E402
 from bench.http_ab import ROOT, start  # noqa: E402
 
 _IDLE_FRAME = "get_events"  # trio's epoll wait: the event loop with nothing to do
-
-
-def stat_cpu_s(stat: Path) -> float:
-    """User + system CPU seconds so far from a /proc stat file: a process's (/proc/PID/stat) or a thread's
-    (/proc/PID/task/TID/stat)."""
-    fields = stat.read_text().rsplit(")", 1)[1].split()  # after the name, which may hold spaces
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def thread_cpu_s(pid: int) -> dict[tuple[int, str], float]:
