@@ -2,6 +2,7 @@
 caches.
 
     .venv/bin/python bench/key_layout.py [--batch 8] [--positions 100,400,1000] [--rounds 3] [--keys 200000]
+    .venv/bin/python bench/key_layout.py --in-step [--levels 1,8] [--tokens 128] [--rounds 3] [--threads 2]
 
 The cpu backend stores a layer's keys position by position (`CpuBackend.kv_pool`: per slot and kv head, one
 row of head-dim values a key), and `attend_ir.key_scores_intrinsic` computes 16 keys' scores with one 16-lane
@@ -29,6 +30,17 @@ sequence's keys for one item became 64 short runs a page apart instead of one ru
 in the step (`bench/phase_profile.py --attention-twice`: a third of its time). A layout that keeps tiles of 16 keys
 together (dimension-major inside a tile) would keep the one run, but is no strided view of [slot, position, kv
 head, :]: every reader and writer of the keys would have to know it. Not done.
+
+`--in-step` times such tiles inside the decode step before anyone builds them: scratch copies of ops.py and
+decode_layers.py (`write_tile_timing_copies`) whose attention reads each 16 keys' 2 KB as a tile, dimension by
+dimension (`key_scores_by_dim_intrinsic(tiles=True)`, checked against numpy over a real tiled cache by the tests),
+over the cache as it is: the same memory and the tiled arithmetic, wrong scores. `bench.step_ab.compare` runs the
+step with them and as it is in turns (in-process batched decode, the default model). On the 2-core Zen 4 VM
+(2026-12-06, stop 57; `2026-12-06-key-layout-in-step-{128,256}.json`): 128 tokens a stream, 10 rounds, batch 8
+1.003 (per round 0.964-1.066), batch 1 0.985; 256 tokens, 8 rounds, batch 8 1.021 (1.001-1.048), batch 1 1.000.
+The same copies run by hand before: 128 tokens batch 8 0.987 and 0.998, 256 tokens 1.051 and 1.015, 1000 tokens
+batch 8 0.992, batch 1 1.028. The scores' third less arithmetic hardly shows, because in the step the attention
+waits on memory: not worth a layout every reader and writer of the keys would have to know.
 """
 
 from __future__ import annotations
@@ -36,6 +48,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -57,11 +70,16 @@ from pantheon.kernels.cpu.llvm_ir import byte_ptr, counted_loop, fma, splat  # n
 DIM_CHAINS = 4
 
 
-def key_scores_by_dim_intrinsic(width: int) -> Any:
+def key_scores_by_dim_intrinsic(width: int, tiles: bool = False) -> Any:
     """`attend_ir.key_scores_intrinsic`'s call over keys (ctx, Hkv, hd) stored dimension by dimension:
     strides[0] is the item size, and each dimension's row holds at least j0 + 16 positions (the caller's
     promise). Key i's score lands in lane i; lanes i >= n hold whatever positions j0 + i hold (stored, never
-    read, left out of the max). The head dimension must be a multiple of DIM_CHAINS."""
+    read, left out of the max). The head dimension must be a multiple of DIM_CHAINS.
+
+    With `tiles`, over keys kept in tiles of 16 positions, dimension by dimension inside a tile (one kv head's
+    tile: dimension d's 16 values at d * 32 bytes, float16), the tiles of a kv head one after another: j0 a
+    multiple of 16, and keys a view whose strides[0] is a position row's bytes (hd items) and strides[1] a kv
+    head's, so that j0 * strides[0] + kvh * strides[1] is the tile's first byte (`tiled_view`)."""
 
     def key_scores(typingctx, q_rows, h0, keys, kvh, j0, n, scale, scores, col, maxes):  # type: ignore[no-untyped-def]
         return types.void(q_rows, h0, keys, kvh, j0, n, scale, scores, col, maxes), codegen
@@ -70,9 +88,13 @@ def key_scores_by_dim_intrinsic(width: int) -> Any:
         q, k, s, m, (h0, kvh, j0, n, scale, col), half = key_scores_operands(context, builder, signature, args)
         item = 2 if half else 4
         q_stride, s_stride = (builder.extract_value(a.strides, 0) for a in (q, s))
-        d_stride = builder.extract_value(k.strides, 2)
-        base = builder.add(builder.mul(j0, ir.Constant(_i64, item)),
-                           builder.mul(kvh, builder.extract_value(k.strides, 1)))
+        if tiles:
+            d_stride = ir.Constant(_i64, LANES * item)
+            first = builder.mul(j0, builder.extract_value(k.strides, 0))
+        else:
+            d_stride = builder.extract_value(k.strides, 2)
+            first = builder.mul(j0, ir.Constant(_i64, item))
+        base = builder.add(first, builder.mul(kvh, builder.extract_value(k.strides, 1)))
         n_steps = builder.sdiv(builder.extract_value(q.shape, 1), ir.Constant(_i64, DIM_CHAINS))
         q_rows = [builder.bitcast(byte_ptr(builder, q.data, builder.mul(builder.add(h0, ir.Constant(_i64, h)),
                                                                         q_stride)), _f32.as_pointer())
@@ -108,12 +130,13 @@ def key_scores_by_dim_intrinsic(width: int) -> Any:
                           head_max)
         return context.get_dummy_value()
 
-    key_scores.__name__ = key_scores.__qualname__ = f"bench_key_scores_by_dim_{width}"
+    key_scores.__name__ = key_scores.__qualname__ = f"bench_key_scores_by_{'tile' if tiles else 'dim'}_{width}"
     return intrinsic(key_scores)
 
 
 _BY_ROW = attend_ir.key_scores_intrinsic(3)
 _BY_DIM = key_scores_by_dim_intrinsic(3)
+_BY_TILE = key_scores_by_dim_intrinsic(3, tiles=True)
 
 
 @numba.njit(nogil=True)
@@ -130,6 +153,91 @@ def scores_all(q, pool, ctx, scale, scores, maxes, reps, by_dim):  # type: ignor
                         _BY_DIM(q, 0, keys, kvh, j0, n, scale, scores[b, kvh], j0, maxes[b, kvh])
                     else:
                         _BY_ROW(q, 0, keys, kvh, j0, n, scale, scores[b, kvh], j0, maxes[b, kvh])
+
+
+@numba.njit(nogil=True)
+def scores_by_tile(q, pool, ctx, scale, scores, maxes):  # type: ignore[no-untyped-def]
+    """`scores_all` once over a `tiled_view`."""
+    for b in range(pool.shape[0]):
+        keys = pool[b]
+        for kvh in range(keys.shape[1]):
+            for j0 in range(0, ctx, LANES):
+                _BY_TILE(q, 0, keys, kvh, j0, min(LANES, ctx - j0), scale, scores[b, kvh], j0, maxes[b, kvh])
+
+
+def tiled_view(keys: np.ndarray) -> np.ndarray:
+    """float16 keys (batch, kv heads, ctx, hd) kept in tiles of 16 positions, dimension by dimension inside a tile
+    (zeros past ctx), as the view `key_scores_by_dim_intrinsic(tiles=True)` takes: [slot, position, kv head, :]
+    strides whose position and kv head strides find a tile's first byte (only there; uint16 bits)."""
+    batch, kv_heads, ctx, head_dim = keys.shape
+    cap = -(-ctx // LANES) * LANES
+    padded = np.zeros((batch, kv_heads, cap, head_dim), np.uint16)
+    padded[:, :, :ctx] = keys.view(np.uint16)
+    tiles = np.ascontiguousarray(padded.reshape(batch, kv_heads, cap // LANES, LANES, head_dim).swapaxes(3, 4))
+    item = tiles.itemsize
+    return np.lib.stride_tricks.as_strided(
+        tiles, shape=(batch, cap, kv_heads, head_dim),
+        strides=(kv_heads * cap * head_dim * item, head_dim * item, cap * head_dim * item, item))
+
+
+# What `write_tile_timing_copies` replaces: ops.py's key-scores intrinsics, decode_layers.py's import of ops.
+_OPS_SCORES = ("_key_scores_1, _key_scores_2, _key_scores_3, _key_scores_4 = "
+               "(key_scores_intrinsic(w) for w in range(1, 5))")
+_LAYERS_IMPORT = "from pantheon.kernels.cpu import attend_ir, gemm_call, int8dot, int8k, ops, quant, team"
+PACKAGE = Path(__file__).resolve().parent.parent / "pantheon" / "kernels" / "cpu"
+
+
+def write_tile_timing_copies(folder: Path) -> Path:
+    """Scratch copies that time tiles of 16 keys inside the decode step without the layout: ops.py with the
+    tiled key scores (`key_scores_by_dim_intrinsic(tiles=True)`) in place of the attention's, and decode_layers.py
+    importing that copy. Over the cache as it is (head-major rows, `CpuBackend.kv_pool`) a tile's read is the same
+    2 KB that positions j0 .. j0 + 15 of the kv head fill, so the step reads the same memory and does the tiled
+    arithmetic, with wrong scores (the timing only counts: every stream decodes its fixed number of tokens). What a
+    real tiled cache adds, its writes of a key as 64 values 32 bytes apart, is left out. Returns the
+    decode_layers copy; a statement it looks for and does not find stops it with the statement's text."""
+    ops_source = (PACKAGE / "ops.py").read_text()
+    layers_source = (PACKAGE / "decode_layers.py").read_text()
+    for source, statement in ((ops_source, _OPS_SCORES), (layers_source, _LAYERS_IMPORT)):
+        if statement not in source:
+            raise SystemExit(f"not found, the copy would time something else: {statement}")
+    ops_copy = folder / "ops_key_tiles.py"
+    ops_copy.write_text(ops_source.replace(_OPS_SCORES, (
+        "from bench.key_layout import key_scores_by_dim_intrinsic  # noqa: E402\n"
+        "_key_scores_1, _key_scores_2, _key_scores_3, _key_scores_4 = "
+        "(key_scores_by_dim_intrinsic(w, tiles=True) for w in range(1, 5))")))
+    layers_copy = folder / "decode_layers_key_tiles.py"
+    layers_copy.write_text(layers_source.replace(_LAYERS_IMPORT, (
+        "from pantheon.kernels.cpu import attend_ir, gemm_call, int8dot, int8k, quant, team\n"
+        "from bench.step_ab import load_copy as _load_copy\n"
+        f"ops = _load_copy({str(ops_copy)!r}, 'ops_key_tiles')")))
+    return layers_copy
+
+
+def in_step(levels: list[int], rounds: int, tokens: int, threads: int) -> dict[str, Any]:
+    """The decode step with the tiled key scores (`write_tile_timing_copies`) against it as it is, in one process,
+    taking turns run by run (`bench.step_ab.compare`, in-process batched decode of the default model)."""
+    from bench.batched import PantheonBatched
+    from bench.common import default_model
+    from bench.step_ab import compare, load_copy
+    from pantheon.kernels.cpu import decode_layers
+
+    as_is = decode_layers._team_step
+    with tempfile.TemporaryDirectory() as tmp:
+        teams = {"by_row": as_is,
+                 "tiles": load_copy(write_tile_timing_copies(Path(tmp)), "decode_layers_key_tiles")._team_step}
+
+        def route(name: str) -> None:
+            decode_layers._team_step = teams[name]
+
+        try:
+            rates = compare(PantheonBatched(default_model(), threads), levels, rounds, tokens, ("by_row", "tiles"),
+                            route)
+        finally:
+            decode_layers._team_step = as_is
+    return {str(n): {"by_row_tok_s": rates[("by_row", n)], "tiles_tok_s": rates[("tiles", n)],
+                     "tiles_over_by_row": statistics.median(
+                         t / r for r, t in zip(rates[("by_row", n)], rates[("tiles", n)]))}
+            for n in levels}
 
 
 def make_keys(batch: int, kv_heads: int, ctx: int, head_dim: int, seed: int = 0
@@ -178,7 +286,16 @@ def main() -> None:
     ap.add_argument("--positions", default="100,400,1000")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--keys", type=int, default=2_000_000, help="(sequence, kv head, key) triples a timed call")
+    ap.add_argument("--in-step", action="store_true", help="time tiles of 16 keys inside the decode step instead")
+    ap.add_argument("--levels", default="1,8", help="--in-step: the batch sizes")
+    ap.add_argument("--tokens", type=int, default=128, help="--in-step: decode steps a run")
+    ap.add_argument("--threads", type=int, default=2, help="--in-step: the step's threads")
     args = ap.parse_args()
+    if args.in_step:
+        levels = [int(v) for v in args.levels.split(",")]
+        print("wrote", write_result("key-layout-in-step", {"args": vars(args), "levels": in_step(
+            levels, args.rounds, args.tokens, args.threads)}))
+        return
     numba.set_num_threads(1)
     rows = [run(args.batch, int(p), args.rounds, args.keys) for p in args.positions.split(",")]
     print(f"key scores, batch {args.batch}, 3 query heads a kv head of 64, float16 keys in the caches, one thread;"

@@ -1,12 +1,16 @@
 """bench/key_layout.py: its dimension-major key scores agree with numpy and with the position-major intrinsic the
-attention uses, on tiny shapes, and leave the lanes past a run's last key out of the max."""
+attention uses, on tiny shapes, and leave the lanes past a run's last key out of the max; its tiled scores agree
+with numpy over a tiled cache; its in-step copies route the decode step's attention to them."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from bench.key_layout import make_keys, run, scores_all
+from bench.key_layout import make_keys, run, scores_all, scores_by_tile, tiled_view, write_tile_timing_copies
+from bench.step_ab import load_copy
 
 pytestmark = pytest.mark.slow
 
@@ -39,3 +43,25 @@ def test_positions_past_the_run_stay_out_of_the_max() -> None:
     want = np.einsum("bkpd,hd->bkhp", keys, q)
     np.testing.assert_allclose(maxes, want.max(axis=-1), rtol=1e-5)
     assert (scores[..., 20:32] > 700).all()  # stored, as the docstring says, but not in the max
+
+
+def test_tiles_score_a_tiled_cache() -> None:
+    """The intrinsic the in-step timing puts in the attention computes the right scores over a real tiled cache
+    (a run ending mid-tile too), so the step it is timed in does the arithmetic a tiled cache would."""
+    rng = np.random.default_rng(6)
+    keys = rng.standard_normal((2, 3, 40, 16)).astype(np.float16)
+    q = rng.standard_normal((3, 16)).astype(np.float32)
+    scores = np.zeros((2, 3, 3, 48), np.float32)
+    maxes = np.full((2, 3, 3), -np.inf, np.float32)
+    scores_by_tile(q, tiled_view(keys), 40, np.float32(0.25), scores, maxes)
+    want = np.einsum("bkpd,hd->bkhp", keys.astype(np.float32), q) * np.float32(0.25)
+    np.testing.assert_allclose(scores[..., :40], want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(maxes, want.max(axis=-1), rtol=1e-5, atol=1e-5)
+
+
+def test_in_step_copies_route_the_attention_to_the_tiled_scores(tmp_path: Path) -> None:
+    layers_copy = write_tile_timing_copies(tmp_path)
+    module = load_copy(layers_copy, "decode_layers_key_tiles_test")
+    assert module.ops.__name__ == "ops_key_tiles"  # the copy's attention is the scratch ops, not pantheon's
+    assert "key_scores_by_dim_intrinsic(w, tiles=True)" in (tmp_path / "ops_key_tiles.py").read_text()
+    assert callable(module._team_step)
