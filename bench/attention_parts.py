@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numba  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench.common import write_result  # noqa: E402
+from bench.common import replace_once, write_result  # noqa: E402
 
 OPS_PATH = Path(__file__).resolve().parent.parent / "pantheon" / "kernels" / "cpu" / "ops.py"
 _SCORES = """                    _scores_for_heads(q_rows, h, width, keys, kvh, j0, min(LANES, k1 - j0), scale, scores, j0 - k0,
@@ -62,10 +62,7 @@ def load_variants(names: list[str], scratch: Path) -> dict[str, Any]:
         change = VARIANTS[name]
         text = source
         if change is not None:
-            old, new = change
-            if old not in text:
-                raise SystemExit(f"ops.py no longer has the statement {name} replaces:\n{old}")
-            text = text.replace(old, new)
+            text = replace_once(text, *change, f"ops.py no longer has the statement {name} replaces")
         path = scratch / f"attention_parts_{name}.py"
         path.write_text(text)
         spec = importlib.util.spec_from_file_location(f"attention_parts_{name}", path)

@@ -72,3 +72,12 @@ def stat_cpu_s(stat: Path) -> float:
     (/proc/PID/task/TID/stat)."""
     fields = stat.read_text().rsplit(")", 1)[1].split()  # after the name, which may hold spaces
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def replace_once(source: str, old: str, new: str, missing: str) -> str:
+    """source with its one occurrence of `old` replaced by `new`, for the benches that time scratch copies of a
+    module with a statement changed; stops with `missing` (and the statement) when `old` is not there exactly
+    once: the copy would time something else."""
+    if source.count(old) != 1:
+        raise SystemExit(f"{missing}:\n{old}")
+    return source.replace(old, new)

@@ -60,7 +60,7 @@ from llvmlite import ir  # noqa: E402
 from numba import types  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
-from bench.common import write_result  # noqa: E402
+from bench.common import replace_once, write_result  # noqa: E402
 from pantheon.kernels.cpu import attend_ir  # noqa: E402
 from pantheon.kernels.cpu.attend_ir import (LANES, _f32, _i64, _load_f32, _raise_max, _vf,  # noqa: E402
                                             key_scores_operands)
@@ -139,30 +139,27 @@ _BY_DIM = key_scores_by_dim_intrinsic(3)
 _BY_TILE = key_scores_by_dim_intrinsic(3, tiles=True)
 
 
+# The key layouts `scores_all` reads: position by position (the cache as it is), dimension by dimension, and
+# tiles of 16 positions dimension by dimension (`tiled_view`).
+BY_ROW, BY_DIM, BY_TILE = 0, 1, 2
+
+
 @numba.njit(nogil=True)
-def scores_all(q, pool, ctx, scale, scores, maxes, reps, by_dim):  # type: ignore[no-untyped-def]
-    """Every sequence's and kv head's scores of keys 0 .. ctx - 1, reps times, over position-major keys or (by_dim)
-    dimension-major ones. scores[b, kvh] (3, >= ctx rounded up to 16) and maxes[b, kvh] (3,) take the last rep's."""
+def scores_all(q, pool, ctx, scale, scores, maxes, reps, layout):  # type: ignore[no-untyped-def]
+    """Every sequence's and kv head's scores of keys 0 .. ctx - 1, reps times, over keys in `layout` (BY_ROW,
+    BY_DIM, BY_TILE). scores[b, kvh] (3, >= ctx rounded up to 16) and maxes[b, kvh] (3,) take the last rep's."""
     for _ in range(reps):
         for b in range(pool.shape[0]):
             keys = pool[b]
             for kvh in range(keys.shape[1]):
                 for j0 in range(0, ctx, LANES):
                     n = min(LANES, ctx - j0)
-                    if by_dim:
+                    if layout == BY_DIM:
                         _BY_DIM(q, 0, keys, kvh, j0, n, scale, scores[b, kvh], j0, maxes[b, kvh])
+                    elif layout == BY_TILE:
+                        _BY_TILE(q, 0, keys, kvh, j0, n, scale, scores[b, kvh], j0, maxes[b, kvh])
                     else:
                         _BY_ROW(q, 0, keys, kvh, j0, n, scale, scores[b, kvh], j0, maxes[b, kvh])
-
-
-@numba.njit(nogil=True)
-def scores_by_tile(q, pool, ctx, scale, scores, maxes):  # type: ignore[no-untyped-def]
-    """`scores_all` once over a `tiled_view`."""
-    for b in range(pool.shape[0]):
-        keys = pool[b]
-        for kvh in range(keys.shape[1]):
-            for j0 in range(0, ctx, LANES):
-                _BY_TILE(q, 0, keys, kvh, j0, min(LANES, ctx - j0), scale, scores[b, kvh], j0, maxes[b, kvh])
 
 
 def tiled_view(keys: np.ndarray) -> np.ndarray:
@@ -195,21 +192,16 @@ def write_tile_timing_copies(folder: Path) -> Path:
     arithmetic, with wrong scores (the timing only counts: every stream decodes its fixed number of tokens). What a
     real tiled cache adds, its writes of a key as 64 values 32 bytes apart, is left out. Returns the
     decode_layers copy; a statement it looks for and does not find stops it with the statement's text."""
-    ops_source = (PACKAGE / "ops.py").read_text()
-    layers_source = (PACKAGE / "decode_layers.py").read_text()
-    for source, statement in ((ops_source, _OPS_SCORES), (layers_source, _LAYERS_IMPORT)):
-        if statement not in source:
-            raise SystemExit(f"not found, the copy would time something else: {statement}")
     ops_copy = folder / "ops_key_tiles.py"
-    ops_copy.write_text(ops_source.replace(_OPS_SCORES, (
+    ops_copy.write_text(replace_once((PACKAGE / "ops.py").read_text(), _OPS_SCORES, (
         "from bench.key_layout import key_scores_by_dim_intrinsic  # noqa: E402\n"
         "_key_scores_1, _key_scores_2, _key_scores_3, _key_scores_4 = "
-        "(key_scores_by_dim_intrinsic(w, tiles=True) for w in range(1, 5))")))
+        "(key_scores_by_dim_intrinsic(w, tiles=True) for w in range(1, 5))"), "ops.py changed"))
     layers_copy = folder / "decode_layers_key_tiles.py"
-    layers_copy.write_text(layers_source.replace(_LAYERS_IMPORT, (
+    layers_copy.write_text(replace_once((PACKAGE / "decode_layers.py").read_text(), _LAYERS_IMPORT, (
         "from pantheon.kernels.cpu import attend_ir, gemm_call, int8dot, int8k, quant, team\n"
         "from bench.step_ab import load_copy as _load_copy\n"
-        f"ops = _load_copy({str(ops_copy)!r}, 'ops_key_tiles')")))
+        f"ops = _load_copy({str(ops_copy)!r}, 'ops_key_tiles')"), "decode_layers.py changed"))
     return layers_copy
 
 
@@ -261,10 +253,11 @@ def run(batch: int, position: int, rounds: int, keys_per_call: int, kv_heads: in
     want = np.einsum("bkpd,hd->bkhp", keys, q) * scale
     cap = by_row.shape[1]  # positions a row holds: a multiple of 16, so each call's 16 lanes stay inside
     outputs = {}
+    layouts = {"by_row": BY_ROW, "by_dim": BY_DIM}
     for name, pool in (("by_row", by_row), ("by_dim", by_dim)):
         scores = np.zeros((batch, kv_heads, 3, cap), np.float32)
         maxes = np.full((batch, kv_heads, 3), -np.inf, np.float32)
-        scores_all(q, pool, position, scale, scores, maxes, 1, name == "by_dim")
+        scores_all(q, pool, position, scale, scores, maxes, 1, layouts[name])
         np.testing.assert_allclose(scores[..., :position], want, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(maxes, want.max(axis=-1), rtol=1e-5, atol=1e-5)
         outputs[name] = (pool, scores, maxes)
@@ -273,7 +266,7 @@ def run(batch: int, position: int, rounds: int, keys_per_call: int, kv_heads: in
     for _ in range(rounds):
         for name, (pool, scores, maxes) in outputs.items():
             start = time.perf_counter()
-            scores_all(q, pool, position, scale, scores, maxes, reps, name == "by_dim")
+            scores_all(q, pool, position, scale, scores, maxes, reps, layouts[name])
             times[name].append((time.perf_counter() - start) / (reps * batch * kv_heads * position) * 1e9)
     ns = {name: statistics.median(t) for name, t in times.items()}
     return {"position": position, "ns_per_key": ns, "rounds_ns_per_key": times,

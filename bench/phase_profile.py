@@ -31,6 +31,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 
+from bench.common import default_model, replace_once  # noqa: E402
+
 PHASES = ["first_quantize", "qkv", "attn", "out", "norm1", "gate_up", "swiglu", "down", "norm2", "output",
           "attention_again"]
 _TIMER = """
@@ -75,9 +77,7 @@ _BOUNDARIES = [
 
 
 def _replace(source: str, old: str, new: str) -> str:
-    if source.count(old) != 1:
-        raise RuntimeError(f"decode_layers changed: expected one {old!r}")
-    return source.replace(old, new)
+    return replace_once(source, old, new, "decode_layers changed: expected the statement once")
 
 
 def _tick(indent: str, phase: int) -> str:
@@ -135,7 +135,6 @@ def main() -> None:
     args = ap.parse_args()
 
     from bench.batched import PantheonBatched
-    from bench.common import default_model
     from bench.concurrency import PROMPTS
     from pantheon.kernels.cpu import decode_layers
 

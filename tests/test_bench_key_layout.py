@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench.key_layout import make_keys, run, scores_all, scores_by_tile, tiled_view, write_tile_timing_copies
+from bench.key_layout import (BY_DIM, BY_ROW, BY_TILE, make_keys, run, scores_all, tiled_view,
+                              write_tile_timing_copies)
 from bench.step_ab import load_copy
 
 pytestmark = pytest.mark.slow
@@ -26,7 +27,7 @@ def test_both_layouts_score_the_same_keys_alike() -> None:
     for name, pool in (("row", by_row), ("dim", by_dim)):
         scores = np.zeros((1, 3, 3, 48), np.float32)
         maxes = np.full((1, 3, 3), -np.inf, np.float32)
-        scores_all(q, pool, 40, np.float32(0.25), scores, maxes, 1, name == "dim")
+        scores_all(q, pool, 40, np.float32(0.25), scores, maxes, 1, BY_DIM if name == "dim" else BY_ROW)
         got[name] = (scores[..., :40], maxes)
     np.testing.assert_allclose(got["dim"][0], got["row"][0], rtol=1e-5, atol=1e-6)  # sums in another order
     for scores, maxes in got.values():
@@ -39,7 +40,7 @@ def test_positions_past_the_run_stay_out_of_the_max() -> None:
     q = np.ones((3, 16), np.float32)  # those positions would score 800
     scores = np.zeros((1, 3, 3, 32), np.float32)
     maxes = np.full((1, 3, 3), -np.inf, np.float32)
-    scores_all(q, by_dim, 20, np.float32(1.0), scores, maxes, 1, True)
+    scores_all(q, by_dim, 20, np.float32(1.0), scores, maxes, 1, BY_DIM)
     want = np.einsum("bkpd,hd->bkhp", keys, q)
     np.testing.assert_allclose(maxes, want.max(axis=-1), rtol=1e-5)
     assert (scores[..., 20:32] > 700).all()  # stored, as the docstring says, but not in the max
@@ -53,7 +54,7 @@ def test_tiles_score_a_tiled_cache() -> None:
     q = rng.standard_normal((3, 16)).astype(np.float32)
     scores = np.zeros((2, 3, 3, 48), np.float32)
     maxes = np.full((2, 3, 3), -np.inf, np.float32)
-    scores_by_tile(q, tiled_view(keys), 40, np.float32(0.25), scores, maxes)
+    scores_all(q, tiled_view(keys), 40, np.float32(0.25), scores, maxes, 1, BY_TILE)
     want = np.einsum("bkpd,hd->bkhp", keys.astype(np.float32), q) * np.float32(0.25)
     np.testing.assert_allclose(scores[..., :40], want, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(maxes, want.max(axis=-1), rtol=1e-5, atol=1e-5)
