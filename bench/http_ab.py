@@ -1,7 +1,7 @@
 """A/B over HTTP: two `pantheon serve`s of the default model, both up, decoding in alternating rounds.
 
     .venv/bin/python bench/http_ab.py [--a-tree OLD] [--b-tree NEW] [--a-env K=V,..] [--b-env K=V,..]
-                                      [--pairs 30] [--levels 1,8] [--tokens 128]
+                                      [--pairs 30] [--restarts 3] [--levels 1,8] [--tokens 128]
     git worktree add /tmp/old HEAD~1 && .venv/bin/python bench/http_ab.py --a-tree /tmp/old
     .venv/bin/python bench/http_ab.py --a-env PANTHEON_STREAM_INTERVAL_MS=10 --b-env PANTHEON_STREAM_INTERVAL_MS=30
 
@@ -18,8 +18,15 @@ of its speed.
 Why pairs, and many: these 2-core VMs drift by 10-30% over minutes, more than most changes move, while two
 rounds a few seconds apart see the same machine. The comparison is the median of the per-pair ratios B / A
 and how many pairs B won; on the Zen 4 VM (2026-12-05) eight pairs of a change gave +3.3% and +3.7% at one
-stream where thirty pairs of the same two trees gave +0.9% (a pair takes ~2 s at 128 tokens). Prints a table
-and writes bench/results/<date>-http-ab.json.
+stream where thirty pairs of the same two trees gave +0.9% (a pair takes ~2 s at 128 tokens).
+
+Why restarts: a server process keeps its own speed. Two servers of the same tree (A/A, 12 pairs, one start each,
+Zen 4 VM, 2026-12-06) gave B / A 0.973 at one stream with B ahead in 0 of 12 pairs, then 1.002 (7 of 12) in a
+second start: a bias of a few percent that no number of pairs averages out, and as large as the changes measured.
+With `--restarts K` the pairs are run in K blocks, each with both servers started afresh (which starts first
+alternates from block to block); the summary is over all pairs, and each block's own B / A is printed and kept
+(`blocks`), so that one lucky start shows as one block. Prints a table and writes
+bench/results/<date>-http-ab.json.
 """
 
 from __future__ import annotations
@@ -77,6 +84,12 @@ def summarize(rates: dict[str, dict[int, list[float]]]) -> dict[str, Any]:
     return summary
 
 
+def block_sizes(pairs: int, restarts: int) -> list[int]:
+    """`pairs` split into `restarts` blocks as evenly as they go (the earlier blocks one longer), none empty."""
+    blocks = max(1, min(restarts, pairs))
+    return [pairs // blocks + (i < pairs % blocks) for i in range(blocks)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--a-tree", type=Path, default=ROOT)
@@ -84,39 +97,54 @@ def main() -> None:
     ap.add_argument("--a-env", default="")
     ap.add_argument("--b-env", default="")
     ap.add_argument("--pairs", type=int, default=30)
+    ap.add_argument("--restarts", type=int, default=3, help="blocks of pairs, each with both servers started afresh")
     ap.add_argument("--levels", default="1,8")
     ap.add_argument("--tokens", type=int, default=128)
     args = ap.parse_args()
     levels = [int(n) for n in args.levels.split(",")]
     bias = {str(t): -100 for t in end_token_ids(default_model())}
     setups = {"A": (args.a_tree.resolve(), parse_env(args.a_env)), "B": (args.b_tree.resolve(), parse_env(args.b_env))}
-    servers: dict[str, ServerProcess] = {}
     rates: dict[str, dict[int, list[float]]] = {name: {level: [] for level in levels} for name in setups}
-    try:
-        for name, (tree, env) in setups.items():
-            servers[name] = start(tree, env, max(levels))
-            run_level(servers[name], max(levels), 16, bias)  # warm-up: first-request costs stay out
-        for i in range(args.pairs):
-            for level in levels:
-                for name in ("A", "B") if i % 2 == 0 else ("B", "A"):
-                    rates[name][level].append(run_level(servers[name], level, args.tokens, bias)
-                                              ["aggregate_decode_tok_s"])
-            print(f"pair {i + 1}: " + "  ".join(f"{name}{level} {rates[name][level][-1]:.0f}" for level in levels
+    blocks: list[dict[str, Any]] = []
+    i = 0
+    for block, size in enumerate(block_sizes(args.pairs, args.restarts)):
+        servers: dict[str, ServerProcess] = {}
+        block_rates: dict[str, dict[int, list[float]]] = {name: {level: [] for level in levels} for name in setups}
+        try:
+            for name in ("A", "B") if block % 2 == 0 else ("B", "A"):
+                tree, env = setups[name]
+                servers[name] = start(tree, env, max(levels))
+                run_level(servers[name], max(levels), 16, bias)  # warm-up: first-request costs stay out
+            for _ in range(size):
+                for level in levels:
+                    for name in ("A", "B") if i % 2 == 0 else ("B", "A"):
+                        rate = run_level(servers[name], level, args.tokens, bias)["aggregate_decode_tok_s"]
+                        rates[name][level].append(rate)
+                        block_rates[name][level].append(rate)
+                i += 1
+                print(f"pair {i}: " + "  ".join(f"{name}{level} {rates[name][level][-1]:.0f}" for level in levels
                                                 for name in ("A", "B")), flush=True)
-    finally:
-        for server in servers.values():
-            server.stop()
+        finally:
+            for server in servers.values():
+                server.stop()
+        blocks.append(summarize(block_rates))
+        print(f"block {block + 1} (servers started afresh): " + "  ".join(
+            f"{level} streams B / A {row['b_over_a']:.3f}" for level, row in blocks[-1]["levels"].items()),
+            flush=True)
     summary = summarize(rates)
     print(f"A: {setups['A'][0]} {args.a_env or '(no env)'}\nB: {setups['B'][0]} {args.b_env or '(no env)'}")
-    print(f"{args.pairs} pairs, {args.tokens} tokens a stream, 2 threads; aggregate decode tok/s")
+    print(f"{args.pairs} pairs in {len(blocks)} blocks of their own server starts, {args.tokens} tokens a stream, "
+          "2 threads; aggregate decode tok/s")
     for level, row in summary["levels"].items():
         print(f"{level} streams: A {row['a_median']:.0f}, B {row['b_median']:.0f}, B / A per pair "
-              f"{row['b_over_a']:.3f} (B ahead in {row['b_won']} of {row['pairs']})")
+              f"{row['b_over_a']:.3f} (B ahead in {row['b_won']} of {row['pairs']}); per block "
+              + ", ".join(f"{b['levels'][level]['b_over_a']:.3f}" for b in blocks))
     for name, ratio in summary.get("high_over_low", {}).items():
         print(f"{name}: {levels[-1]} / {levels[0]} streams per pair {ratio:.2f}")
     path = write_result("http-ab", {"a": {"tree": str(setups["A"][0]), "env": setups["A"][1]},
                                     "b": {"tree": str(setups["B"][0]), "env": setups["B"][1]},
-                                    "pairs": args.pairs, "tokens": args.tokens, "rates": rates, **summary})
+                                    "pairs": args.pairs, "restarts": len(blocks), "tokens": args.tokens,
+                                    "rates": rates, **summary, "blocks": blocks})
     print(f"wrote {path}")
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.http_ab import parse_env, summarize
+from bench.http_ab import block_sizes, parse_env, summarize
 
 
 def test_env_flags_are_comma_separated_pairs() -> None:
@@ -28,3 +28,12 @@ def test_summary_compares_pair_by_pair() -> None:
     # 8 / 1 per pair: A 4, 4, 4; B 4, 4.21, 4.57.
     assert summary["high_over_low"]["A"] == pytest.approx(4.0)
     assert summary["high_over_low"]["B"] == pytest.approx(800 / 190)
+
+
+def test_pairs_split_into_blocks_of_their_own_server_starts() -> None:
+    assert block_sizes(16, 3) == [6, 5, 5]
+    assert block_sizes(12, 3) == [4, 4, 4]
+    assert block_sizes(2, 3) == [1, 1]  # never an empty block: one start per pair at most
+    assert block_sizes(5, 1) == [5]
+    assert block_sizes(5, 0) == [5]
+    assert sum(block_sizes(31, 4)) == 31
