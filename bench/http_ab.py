@@ -104,12 +104,13 @@ def main() -> None:
     levels = [int(n) for n in args.levels.split(",")]
     bias = {str(t): -100 for t in end_token_ids(default_model())}
     setups = {"A": (args.a_tree.resolve(), parse_env(args.a_env)), "B": (args.b_tree.resolve(), parse_env(args.b_env))}
-    rates: dict[str, dict[int, list[float]]] = {name: {level: [] for level in levels} for name in setups}
+    per_block: list[dict[str, dict[int, list[float]]]] = []  # each block's rates, by server and level
     blocks: list[dict[str, Any]] = []
     i = 0
     for block, size in enumerate(block_sizes(args.pairs, args.restarts)):
         servers: dict[str, ServerProcess] = {}
         block_rates: dict[str, dict[int, list[float]]] = {name: {level: [] for level in levels} for name in setups}
+        per_block.append(block_rates)
         try:
             for name in ("A", "B") if block % 2 == 0 else ("B", "A"):
                 tree, env = setups[name]
@@ -118,12 +119,11 @@ def main() -> None:
             for _ in range(size):
                 for level in levels:
                     for name in ("A", "B") if i % 2 == 0 else ("B", "A"):
-                        rate = run_level(servers[name], level, args.tokens, bias)["aggregate_decode_tok_s"]
-                        rates[name][level].append(rate)
-                        block_rates[name][level].append(rate)
+                        block_rates[name][level].append(
+                            run_level(servers[name], level, args.tokens, bias)["aggregate_decode_tok_s"])
                 i += 1
-                print(f"pair {i}: " + "  ".join(f"{name}{level} {rates[name][level][-1]:.0f}" for level in levels
-                                                for name in ("A", "B")), flush=True)
+                print(f"pair {i}: " + "  ".join(f"{name}{level} {block_rates[name][level][-1]:.0f}"
+                                                for level in levels for name in ("A", "B")), flush=True)
         finally:
             for server in servers.values():
                 server.stop()
@@ -131,6 +131,7 @@ def main() -> None:
         print(f"block {block + 1} (servers started afresh): " + "  ".join(
             f"{level} streams B / A {row['b_over_a']:.3f}" for level, row in blocks[-1]["levels"].items()),
             flush=True)
+    rates = {name: {level: [r for b in per_block for r in b[name][level]] for level in levels} for name in setups}
     summary = summarize(rates)
     print(f"A: {setups['A'][0]} {args.a_env or '(no env)'}\nB: {setups['B'][0]} {args.b_env or '(no env)'}")
     print(f"{args.pairs} pairs in {len(blocks)} blocks of their own server starts, {args.tokens} tokens a stream, "

@@ -207,25 +207,16 @@ def write_tile_timing_copies(folder: Path) -> Path:
 
 def in_step(levels: list[int], rounds: int, tokens: int, threads: int) -> dict[str, Any]:
     """The decode step with the tiled key scores (`write_tile_timing_copies`) against it as it is, in one process,
-    taking turns run by run (`bench.step_ab.compare`, in-process batched decode of the default model)."""
+    taking turns run by run (`bench.step_ab.compare_teams`, in-process batched decode of the default model)."""
     from bench.batched import PantheonBatched
     from bench.common import default_model
-    from bench.step_ab import compare, load_copy
+    from bench.step_ab import compare_teams, load_copy
     from pantheon.kernels.cpu import decode_layers
 
-    as_is = decode_layers._team_step
     with tempfile.TemporaryDirectory() as tmp:
-        teams = {"by_row": as_is,
+        teams = {"by_row": decode_layers._team_step,
                  "tiles": load_copy(write_tile_timing_copies(Path(tmp)), "decode_layers_key_tiles")._team_step}
-
-        def route(name: str) -> None:
-            decode_layers._team_step = teams[name]
-
-        try:
-            rates = compare(PantheonBatched(default_model(), threads), levels, rounds, tokens, ("by_row", "tiles"),
-                            route)
-        finally:
-            decode_layers._team_step = as_is
+        rates = compare_teams(PantheonBatched(default_model(), threads), levels, rounds, tokens, teams)
     return {str(n): {"by_row_tok_s": rates[("by_row", n)], "tiles_tok_s": rates[("tiles", n)],
                      "tiles_over_by_row": statistics.median(
                          t / r for r, t in zip(rates[("by_row", n)], rates[("tiles", n)]))}
@@ -253,20 +244,19 @@ def run(batch: int, position: int, rounds: int, keys_per_call: int, kv_heads: in
     want = np.einsum("bkpd,hd->bkhp", keys, q) * scale
     cap = by_row.shape[1]  # positions a row holds: a multiple of 16, so each call's 16 lanes stay inside
     outputs = {}
-    layouts = {"by_row": BY_ROW, "by_dim": BY_DIM}
-    for name, pool in (("by_row", by_row), ("by_dim", by_dim)):
+    for name, layout, pool in (("by_row", BY_ROW, by_row), ("by_dim", BY_DIM, by_dim)):
         scores = np.zeros((batch, kv_heads, 3, cap), np.float32)
         maxes = np.full((batch, kv_heads, 3), -np.inf, np.float32)
-        scores_all(q, pool, position, scale, scores, maxes, 1, layouts[name])
+        scores_all(q, pool, position, scale, scores, maxes, 1, layout)
         np.testing.assert_allclose(scores[..., :position], want, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(maxes, want.max(axis=-1), rtol=1e-5, atol=1e-5)
-        outputs[name] = (pool, scores, maxes)
+        outputs[name] = (layout, pool, scores, maxes)
     reps = max(1, keys_per_call // (batch * kv_heads * position))
     times: dict[str, list[float]] = {name: [] for name in outputs}
     for _ in range(rounds):
-        for name, (pool, scores, maxes) in outputs.items():
+        for name, (layout, pool, scores, maxes) in outputs.items():
             start = time.perf_counter()
-            scores_all(q, pool, position, scale, scores, maxes, reps, layouts[name])
+            scores_all(q, pool, position, scale, scores, maxes, reps, layout)
             times[name].append((time.perf_counter() - start) / (reps * batch * kv_heads * position) * 1e9)
     ns = {name: statistics.median(t) for name, t in times.items()}
     return {"position": position, "ns_per_key": ns, "rounds_ns_per_key": times,

@@ -68,6 +68,24 @@ def compare(engine: Any, levels: list[int], rounds: int, tokens: int, names: tup
     return rates
 
 
+def compare_teams(engine: Any, levels: list[int], rounds: int, tokens: int,
+                  teams: dict[str, Callable[..., Any]]) -> dict[tuple[str, int], list[float]]:
+    """`compare` of two versions of the decode step's thread team (`decode_layers._team_step`, what
+    `decode_step` runs), `teams` naming them in (first, second) order; the team as it was is put back after."""
+    from pantheon.kernels.cpu import decode_layers
+
+    as_is = decode_layers._team_step
+
+    def route(name: str) -> None:
+        decode_layers._team_step = teams[name]
+
+    first, second = teams
+    try:
+        return compare(engine, levels, rounds, tokens, (first, second), route)
+    finally:
+        decode_layers._team_step = as_is
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("old", type=Path)
@@ -80,16 +98,11 @@ def main() -> None:
 
     from bench.batched import PantheonBatched
     from bench.common import default_model
-    from pantheon.kernels.cpu import decode_layers
 
     teams = {"old": load_copy(args.old, "decode_layers_old")._team_step,
              "new": load_copy(args.new, "decode_layers_new")._team_step}
-
-    def route(name: str) -> None:
-        decode_layers._team_step = teams[name]
-
-    compare(PantheonBatched(default_model(), args.threads), [int(v) for v in args.levels.split(",")], args.rounds,
-            args.tokens, ("old", "new"), route)
+    compare_teams(PantheonBatched(default_model(), args.threads), [int(v) for v in args.levels.split(",")],
+                  args.rounds, args.tokens, teams)
 
 
 if __name__ == "__main__":
