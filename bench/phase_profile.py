@@ -14,7 +14,9 @@ A matmul's figure includes the barriers around it, so a member's wait for the ot
 the one that ran long. Cycles are the time-stamp counter's (a constant rate, printed: measured against a
 sleep). `--attention-twice` runs each attention item a second time, right after the first, and
 reports that run apart (`attention_again`, not counted in `attn`): the same work with its data in the caches,
-which separates the attention's arithmetic from its waits on memory. The instrumented copy must keep matching
+which separates the attention's arithmetic from its waits on memory. `barrier_wait` is the part of the phases
+that a member spent in the team's barriers (`team.barrier`, timed around each call: its wait for the other
+member and the barrier's own atomics), also counted in the phases. The instrumented copy must keep matching
 `decode_layers`'s source: a statement it looks for and does not find stops it with the statement's text.
 """
 
@@ -34,7 +36,8 @@ import numpy as np  # noqa: E402
 from bench.common import default_model, replace_once  # noqa: E402
 
 PHASES = ["first_quantize", "qkv", "attn", "out", "norm1", "gate_up", "swiglu", "down", "norm2", "output",
-          "attention_again"]
+          "attention_again", "barrier_wait"]
+TEAM_PHASES = 10  # the first ten: a member's step, phase by phase; the others are parts of them
 _TIMER = """
 from llvmlite import ir as _ir
 from numba import types as _types
@@ -52,6 +55,25 @@ def _cycles(typingctx):
 @numba.njit
 def cycle_count():
     return _cycles()
+
+
+# Where member t's barrier cycles add up in a timed sync: a cache line of its own past the team's words.
+@numba.njit(inline="always")
+def _wait_word(n_threads, t):
+    return team.PASSED + n_threads + team.LINE_WORDS * (t + 1)
+
+
+@numba.njit
+def _timed_sync(n_threads):
+    return np.zeros(_wait_word(n_threads, n_threads), dtype=np.int64)
+
+
+@numba.njit(nogil=True)
+def _timed_barrier(sync, t, n_threads, spin_limit):
+    start = _cycles()
+    passed = team.barrier(sync, t, n_threads, spin_limit)
+    sync[_wait_word(n_threads, t)] += _cycles() - start
+    return passed
 """
 
 
@@ -86,7 +108,15 @@ def _tick(indent: str, phase: int) -> str:
 
 def instrumented_source(source: str, attention_twice: bool) -> str:
     """decode_layers's source with the per-phase counters (see the module docstring)."""
-    s = _replace(source, "log = logging.getLogger", _TIMER + "\nlog = logging.getLogger")
+    if "team.barrier(" not in source:
+        raise SystemExit("decode_layers changed: expected team.barrier calls")
+    s = source.replace("team.barrier(", "_timed_barrier(")
+    s = _replace(s, "log = logging.getLogger", _TIMER + "\nlog = logging.getLogger")
+    s = _replace(s, "sync = team.new_sync(n_threads)", "sync = _timed_sync(n_threads)")
+    s = _replace(s, "    return logits, sync[team.ABORT] == 0",
+                 "    for _t in range(n_threads):\n"
+                 f"        prof[_t, {PHASES.index('barrier_wait')}] += sync[_wait_word(n_threads, _t)]\n"
+                 "    return logits, sync[team.ABORT] == 0")
     # prof (n_threads, len(PHASES)) int64, from _team_step down to each member.
     for old, new in _SIGNATURES:
         s = _replace(s, old, new)
@@ -162,13 +192,13 @@ def main() -> None:
             wall = time.perf_counter() - started
             per_step = prof / args.tokens
             step_ms = level / rate * 1e3
-            in_team = prof[:, :10].sum(axis=1).max() / args.tokens / tsc_hz * 1e3
+            in_team = prof[:, :TEAM_PHASES].sum(axis=1).max() / args.tokens / tsc_hz * 1e3
             print(f"batch {level}: {rate:.0f} tok/s, step {step_ms:.2f} ms, {in_team:.2f} ms of it in the team "
                   f"({wall:.1f} s with prefill; teams given up and redone by one thread, counted too: "
                   f"{decode_layers.team_fallbacks})")
-            shown = PHASES if args.attention_twice else PHASES[:10]
-            print("   " + "  ".join(f"{name} " + "/".join(f"{per_step[t, i] / 1e3:.0f}" for t in range(len(prof)))
-                                    for i, name in enumerate(shown)))
+            shown = [name for name in PHASES if args.attention_twice or name != "attention_again"]
+            print("   " + "  ".join(f"{name} " + "/".join(f"{per_step[t, PHASES.index(name)] / 1e3:.0f}"
+                                                     for t in range(len(prof))) for name in shown))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """bench/phase_profile.py: its instrumented copy of the compiled decode step still applies to decode_layers's
 source, computes the same bits as the step it copies (the attention run twice too: the second run rewrites the
-same values), and counts cycles in every phase that does work."""
+same values), and counts cycles in every phase that does work and in the barriers."""
 
 from __future__ import annotations
 
@@ -53,5 +53,7 @@ def test_the_instrumented_step_gives_the_steps_bits_and_counts_each_phase(tmp_pa
     for a, b in zip(states[0].k + states[0].v, states[1].k + states[1].v):
         np.testing.assert_array_equal(a, b)
     names = phase_profile.PHASES
-    for name in ("qkv", "attn", "out", "gate_up", "down", "output", "attention_again"):
+    for name in ("qkv", "attn", "out", "gate_up", "down", "output", "attention_again", "barrier_wait"):
         assert prof[:, names.index(name)].sum() > 0, name
+    # The barriers' cycles are a part of the phases' (every barrier is inside one).
+    assert (prof[:, names.index("barrier_wait")] < prof[:, :phase_profile.TEAM_PHASES].sum(axis=1)).all()
