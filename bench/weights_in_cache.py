@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import math
 import mmap
 import os
@@ -102,8 +103,6 @@ class OutputSwap:
     (`aliased_like`). The compiled step's arguments are read from the plan on every call (`step_args`)."""
 
     def __init__(self, plan: Any, alias_at_least: int = ALIAS_AT_LEAST) -> None:
-        import dataclasses
-
         self.plan = plan
         real = plan.ends.out_packed
         self.alias_bytes = alias_bytes_for(real, alias_at_least)
