@@ -7,8 +7,12 @@ kernels); tbb is not installed there and untested, so it comes after omp instead
 NUMBA_THREADING_LAYER, when set, still wins.
 
 HOST_CPU_FEATURES: LLVM's names of this CPU's features ("+avx2", "+f16c", ...), which decide the int8
-kernels' instruction set and whether a float16 KV cache can be converted in registers.
+kernels' instruction set and whether a float16 KV cache can be converted in registers. HOST_CPU_VENDOR: the
+CPUID vendor string ("AuthenticAMD", "GenuineIntel"; "" where /proc/cpuinfo does not say), which decides
+where the int8 kernels' prefetches put the weights (`int8dot._PREFETCH_LOCALITY`).
 """
+
+from pathlib import Path
 
 import llvmlite.binding as llvm_binding
 import numba
@@ -20,3 +24,17 @@ jit_cache.configure()  # before any kernel module is imported (see pantheon/jit_
 numba.config.THREADING_LAYER_PRIORITY = ["omp", "tbb", "workqueue"]
 
 HOST_CPU_FEATURES: frozenset[str] = frozenset(llvm_binding.get_host_cpu_features().flatten().split(","))
+
+
+def _cpu_vendor(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The first `vendor_id` of /proc/cpuinfo, or "" where there is none (not Linux, or not x86)."""
+    try:
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("vendor_id"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+HOST_CPU_VENDOR: str = _cpu_vendor()

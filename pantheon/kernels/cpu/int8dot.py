@@ -50,7 +50,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from pantheon.kernels.cpu import HOST_CPU_FEATURES, gemm_call
+from pantheon.kernels.cpu import HOST_CPU_FEATURES, HOST_CPU_VENDOR, gemm_call
 from pantheon.kernels.cpu.llvm_ir import call, counted_loop, fma, splat
 
 __all__ = ["INT8_ISA", "INT8_TYPES", "matmul", "pack_weight", "quantize_rows"]
@@ -159,18 +159,28 @@ def _group_block_base(j: ir.Value, q4: bool, builder: ir.IRBuilder) -> ir.Value:
     return builder.mul(j, ir.Constant(_i64, Q4_1_GROUP if q4 else Q8_0_GROUP))
 
 
-# Where the kernels' prefetches of the next group put its bytes (llvm.prefetch's locality), by vector width. With
-# 8 lanes non-temporal (prefetchnta; the weights are read once a step): a batch-1 matmul waits on memory and
-# reaches the group within about a microsecond. The 16-lane kernels, which take 8 activation rows a call (from
-# `WIDE_MIN_ROWS`), spend longer on each block and reach the prefetched group later, and a non-temporal line
-# did not wait for them: on the 2-core Zen 4 VM (2026-12-05) the default model's batch-8 output matmul (Q8_0
-# 49152 x 576, 30 MB, 2 threads, from memory) took 1.29-1.49 ms with prefetchnta and 0.78-0.96 ms with
-# prefetcht1 / prefetcht2 (prefetcht0: 1.34-1.46), its in-cache arithmetic ~0.84 ms; inside the decode step
-# (`bench/phase_profile.py --levels 8`, alternating trees, 2 processes each) that matmul went from 4300-4800
-# to 2200-2800 k cycles a step and nothing else moved, and `bench/batch_ab.py --pairs 4 --rounds 4` gave
-# batch-8 medians 926 -> 1012 tok/s (batch 1 249 / 253), and again 941 -> 1100 (batch 1 281 / 289). (Prefetcht1
-# at 8 lanes too slowed batch 1 by ~9% in the one A/B it had, within this VM's noise.)
-_PREFETCH_LOCALITY = {LANES: 0, 2 * LANES: 2}  # llvm.prefetch's locality: 0 prefetchnta, 2 prefetcht1
+# Where the kernels' prefetches of the next group put its bytes (llvm.prefetch's locality), by vector width and CPU
+# vendor. On AMD, with 8 lanes non-temporal (prefetchnta; the weights are read once a step): a batch-1 matmul waits
+# on memory and reaches the group within about a microsecond. The 16-lane kernels, which take 8 activation rows a
+# call (from `WIDE_MIN_ROWS`), spend longer on each block and reach the prefetched group later, and a non-temporal
+# line did not wait for them: on the 2-core Zen 4 VM (2026-12-05) the default model's batch-8 output matmul (Q8_0
+# 49152 x 576, 30 MB, 2 threads, from memory) took 1.29-1.49 ms with prefetchnta and 0.78-0.96 ms with prefetcht1 /
+# prefetcht2 (prefetcht0: 1.34-1.46), its in-cache arithmetic ~0.84 ms; inside the decode step
+# (`bench/phase_profile.py --levels 8`, alternating trees, 2 processes each) that matmul went from 4300-4800 to
+# 2200-2800 k cycles a step and nothing else moved, and `bench/batch_ab.py --pairs 4 --rounds 4` gave batch-8
+# medians 926 -> 1012 tok/s (batch 1 249 / 253), and again 941 -> 1100 (batch 1 281 / 289). (Prefetcht1 at 8 lanes
+# too slowed batch 1 by ~9% in the one A/B it had, within this VM's noise.)
+#
+# On Intel prefetcht1 at both widths. There a non-temporal line goes to L1 without filling L2 or the last level, so
+# weights that the last level could hold come from memory again every step: on the 2-core Xeon VM (AMX, 480 MB L3,
+# 2026-12-07) prefetchnta against prefetcht0 at 8 lanes, in one process taking turns (`bench/gemm_ab.py`'s step A/B,
+# 4 rounds), gave batch-1 decode 85.6 against 195.6 tok/s (x2.33 per round, 2.09-3.07) and batch 8 899.6 / 896.6;
+# the 1536 x 576 Q8_0 matmul in cache, one thread, batch 1 54.3 against 71.8 GMAC/s. Prefetcht1 against prefetcht0
+# there: batch 1 x1.02 (0.94-1.13), batch 8 x1.01; no prefetch at 8 lanes x0.61 of prefetcht0. `bench/decode.py`
+# there, before and after: single stream 77.8 -> 219.7 tok/s (llama.cpp 63.9 / 64.3).
+_INTEL = HOST_CPU_VENDOR == "GenuineIntel"
+# llvm.prefetch's locality: 0 prefetchnta, 2 prefetcht1
+_PREFETCH_LOCALITY = {LANES: 2 if _INTEL else 0, 2 * LANES: 2}
 
 
 def prefetch_line(builder: ir.IRBuilder, address: ir.Value, lanes: int) -> None:
