@@ -54,9 +54,9 @@ def kernel_ab(old: Any, new: Any, batches: list[int], rounds: int) -> list[dict[
                                    gguf.GGMLQuantizationType(gtype))
         packed = new.pack_weight(gtype, raw.reshape(ROWS, -1))
         qtype = np.int32(new.kernel_qtype(gtype))
-        offset = bool(new._offset_q8_0(new.INT8_ISA)) and gtype == _Q8_0
+        kind = new.xs_kind(qtype, new.OFFSET_Q8_0)
         for batch in batches:
-            xq, xd, xs = new.quantize_rows(rng.standard_normal((batch, COLS)).astype(np.float32), offset=offset)
+            xq, xd, xs = new.quantize_rows(rng.standard_normal((batch, COLS)).astype(np.float32), kind)
             outs = {k: np.zeros((batch, ROWS), np.float32) for k in runs}
             for k, run in runs.items():
                 run(1, qtype, packed, xq, xd, xs, outs[k])

@@ -79,8 +79,8 @@ def _timed_barrier(sync, t, n_threads, spin_limit):
 
 # (old, new) in decode_layers's source: prof passed from _team_step to _team_member.
 _SIGNATURES = [
-    ("out_flip,\n                     u(logits))", "out_flip,\n                     u(logits), prof)"),
-    ("out_flip, logits):\n    \"\"\"Member t's", "out_flip, logits, prof):\n    \"\"\"Member t's"),
+    ("out_qtype, u(out_packed), u(logits))", "out_qtype, u(out_packed), u(logits), prof)"),
+    ("out_packed, logits):\n    \"\"\"Member t's", "out_packed, logits, prof):\n    \"\"\"Member t's"),
     ("scale, n_q_heads):\n    \"\"\"The whole decode step",
      "scale, n_q_heads, prof):\n    \"\"\"The whole decode step"),
 ]

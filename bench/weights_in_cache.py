@@ -8,7 +8,7 @@ shapes, types and arithmetic), taking turns run by run in one process (`bench.st
 `--cached layers` (the default): every layer reads the first layer's matrices (1/30 of the bytes for SmolLM2);
 the output matrix stays the real one. `--cached output`: the layers stay real and the output matrix (30 MB of Q8_0
 for the default model, its rows the vocabulary) is read through an alias of the same size whose pages all map one
-684 KiB buffer holding its first 684 KiB (`aliased_like`): the same addresses and arithmetic, one buffer's bytes.
+612 KiB buffer holding its first 612 KiB (`aliased_like`): the same addresses and arithmetic, one buffer's bytes.
 The cached runs' tokens mean nothing; only their speed counts. A level whose step is bound by those weights' bytes
 speeds up by about their share of the step's weight traffic; one bound by its arithmetic hardly moves. That is
 what the 8 / 1 streams ratio of issue #9 rests on: on the 2-core Zen 4 VM (2026-12-06, 6 rounds,
@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 REAL, CACHED = "real", "cached"
 # The output alias's one buffer, at least: stays in L2 (1 MiB a core on the test VMs). For SmolLM2's Q8_0 output
-# matrix (rows of 5472 bytes) it takes 700416 bytes.
+# matrix (packed rows of 4896 bytes; 5472 before 2026-12-07, 700416 bytes then) it takes 626688 bytes.
 ALIAS_AT_LEAST = 256 * 1024
 
 _libc = ctypes.CDLL(None, use_errno=True)

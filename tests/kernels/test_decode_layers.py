@@ -79,9 +79,9 @@ def test_compiled_decode_gives_the_bits_of_the_python_loop(tmp_path, qtype, head
 
 # A llama of the mixes llama.cpp's K-quant files have (mixes per layer, like Q4_K_M's attn_v and ffn_down), every
 # int8k kernel type among them: layer 0 q and k Q4_K beside a Q6_K v (apart), gate|up stacked; layer 1 a Q8_0 v
-# beside Q5_0 (the other flip in one phase) and gate IQ4_XS apart from up Q4_K; layer 2 q|k|v stacked Q5_1, an
-# IQ4_NL out. Downs Q6_K, Q3_K, Q5_K; the embedding, tied, Q6_K (the output matmul's halves' sums from the last
-# norm's input).
+# beside Q5_0 (on VNNI, two kinds of sums of one phase's input) and gate IQ4_XS apart from up Q4_K; layer 2 q|k|v
+# stacked Q5_1, an IQ4_NL out. Downs Q6_K, Q3_K, Q5_K; the embedding, tied, Q6_K (the output matmul's halves' sums
+# from the last norm's input).
 K_MIX = {
     "blk.0.attn_q.weight": Q.Q4_K, "blk.0.attn_k.weight": Q.Q4_K, "blk.0.attn_v.weight": Q.Q6_K,
     "blk.0.attn_output.weight": Q.Q5_K, "blk.0.ffn_gate.weight": Q.Q4_K, "blk.0.ffn_up.weight": Q.Q4_K,
@@ -118,7 +118,11 @@ def test_a_k_quant_mix_runs_compiled_with_the_bits_of_the_python_loop(tmp_path, 
     plan, c = model._decode_plan, model.config
     assert plan is not None and plan.ends is not None and plan.k_quants and not plan.layers_path
     assert plan.rows[0, K] > 0 and plan.rows[1, UP] > 0 and plan.rows[2, K] == 0  # apart, apart, stacked
-    assert plan.extras[dl.EXTRA_OTHER] == (int8dot.INT8_ISA == "vnni")  # Q8_0's flip beside Q5_0
+    # On VNNI Q6_K and IQ4 read the halves' sums, Q8_0 the corrections: a Q8_0 attn_v beside Q5_0 q and k, a Q6_K
+    # output matrix, an IQ4_XS gate, so the input of width D carries both; the out matmul's (IQ4_XS, Q5_K, IQ4_NL)
+    # the halves, the down matmul's (Q6_K, Q3_K, Q5_K) the halves.
+    vnni = int(int8dot.INT8_ISA == "vnni")
+    assert plan.sums.tolist() == [[1, vnni, vnni], [1, vnni, 0], [1, vnni, 0]]
     states, slots = _same_prefills(model, starts, 3, len(starts))
     tokens = [3] * len(starts)
     for step in range(4):
@@ -335,31 +339,29 @@ def test_swiglu_fused_into_the_quantization_gives_the_bits_of_the_two_phases(n_r
     """The team's SwiGLU is computed block by block by the member that quantizes the block for the down matmul
     (`_swiglu_quantize_span`): for any team size (spans that cut a row in the middle, members with nothing),
     the members' parts together give the SwiGLU rows and the quantized blocks of the SwiGLU then
-    `quantize_rows`, bit for bit, and every block is written by one member only. With room for the extras
-    (`_block_extras`), each block's bytes of the other flip and its halves' sums are the ones `quantize_rows`
-    with that flip and `int8k._half_sums` give."""
-    from pantheon.kernels.cpu import decode_layers, int8k, ops
+    `quantize_rows`, bit for bit, and every block is written by one member only. With room for the halves' sums
+    and the corrections, each block's are the ones `quantize_rows` gives of those kinds."""
+    from pantheon.kernels.cpu import decode_layers, ops
 
     ffn = 160  # 5 blocks a row: most team sizes cut rows
     rng = np.random.default_rng(n_rows)
     gate_up = (rng.standard_normal((n_rows, 2 * ffn)) * 3).astype(np.float32)
     want_ff = ops.swiglu_stacked(gate_up)
-    for flip, extras in ((0, False), (-128, False), (0, True), (-128, True)):
-        want = int8dot._quantize(want_ff, np.int32(flip))
-        want_other = int8dot._quantize(want_ff, np.int32(-128 - flip))[0]
-        want_halves = int8k._half_sums(int8dot._quantize(want_ff, np.int32(0))[0])
+    want = int8dot.quantize_rows(want_ff)
+    want_halves = int8dot.quantize_rows(want_ff, int8dot.XS_HALVES)[2]
+    want_corrections = int8dot.quantize_rows(want_ff, int8dot.XS_CORRECTIONS)[2]
+    for extras in (False, True):
         for parts in (1, 2, 3, 7, 2 * n_rows * ffn // int8dot.QK + 1):
             ff = np.full((n_rows, ffn), np.nan, dtype=np.float32)
             xq = np.zeros_like(want[0])
             xd = np.full_like(want[1], np.nan)
             xs = np.full_like(want[2], np.nan)
-            other = np.zeros((n_rows, ffn if extras else 0), dtype=np.int8)
             halves = np.full((n_rows, ffn // 16 if extras else 0), np.nan, dtype=np.float32)
+            corrections = np.full((n_rows, ffn // int8dot.QK if extras else 0), np.nan, dtype=np.float32)
             written = 0
             for part in range(parts):
                 mine = np.full_like(xd, np.nan)
-                decode_layers._swiglu_quantize_span(gate_up, ff, (xq, mine, xs, other, halves), np.int32(flip), part,
-                                                    parts)
+                decode_layers._swiglu_quantize_span(gate_up, ff, (xq, mine, xs, halves, corrections), part, parts)
                 assert np.isnan(xd[~np.isnan(mine)]).all()  # no block another member wrote
                 xd = np.where(np.isnan(mine), xd, mine)
                 written += int((~np.isnan(mine)).sum())
@@ -368,5 +370,5 @@ def test_swiglu_fused_into_the_quantization_gives_the_bits_of_the_two_phases(n_r
             for got, expected in zip((xq, xd, xs), want):
                 np.testing.assert_array_equal(got, expected)
             if extras:
-                np.testing.assert_array_equal(other, want_other)
                 np.testing.assert_array_equal(halves, want_halves)
+                np.testing.assert_array_equal(corrections, want_corrections)

@@ -32,7 +32,7 @@ def _quantized(w: quant.QWeight, x: np.ndarray) -> tuple[int, tuple[np.ndarray, 
         kernel = int8k.kernel_qtype(w.qtype)
         return kernel, int8k._activations(kernel, x, int8k._UNSIGNED)
     kernel = int8dot.kernel_qtype(w.qtype)
-    return kernel, int8dot._quantize(x, int8dot._flip(kernel, int8dot.INT8_ISA))
+    return kernel, int8dot._quantize(x, int8dot.xs_kind(kernel, int8dot.OFFSET_Q8_0))
 
 
 @pytest.mark.parametrize(("qtype", "k_quants"), CASES, ids=IDS)

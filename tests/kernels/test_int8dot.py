@@ -56,13 +56,22 @@ def test_matmul_matches_reference(qtype: int, cols: int, batch: int) -> None:
     assert np.linalg.norm(out - exact) / np.linalg.norm(exact) < 0.02
 
 
-def test_offset_activations_are_q_plus_128() -> None:
-    """Q8_0's operand on VNNI: the same values as unsigned q + 128 bytes, the same scales."""
+def test_the_other_sums_are_those_of_the_quantized_values() -> None:
+    """What the kernels may read in place of d * sum(q): the same bytes and scales, and the sums of each block's
+    two 16-value halves of q (Q6_K's and IQ4's operand on VNNI) or -128 * sum(q) per block (Q8_0's), exact."""
     x = activations(3, 800)
-    plain, shifted = int8dot.quantize_rows(x), int8dot.quantize_rows(x, offset=True)
-    assert shifted[0].shape == (3, 800)
-    assert np.array_equal(shifted[0].view(np.uint8).astype(int) - 128, plain[0])
-    assert np.array_equal(shifted[1], plain[1]) and np.array_equal(shifted[2], plain[2])
+    plain = int8dot.quantize_rows(x)
+    halves = int8dot.quantize_rows(x, int8dot.XS_HALVES)
+    corrections = int8dot.quantize_rows(x, int8dot.XS_CORRECTIONS)
+    assert halves[2].shape == (3, 50) and corrections[2].shape == (3, 25)
+    for other in (halves, corrections):
+        assert other[2].dtype == np.float32
+        assert np.array_equal(other[0], plain[0]) and np.array_equal(other[1], plain[1])
+    q = plain[0].astype(np.int64)
+    assert np.array_equal(halves[2], q.reshape(3, 50, 16).sum(axis=2).astype(np.float32))
+    whole = q.reshape(3, 25, 32).sum(axis=2)
+    assert np.array_equal(corrections[2], (-128 * whole).astype(np.float32))
+    assert np.array_equal(plain[2], plain[1] * whole.astype(np.float32))  # d * sum(q), as the quantizer rounds it
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=["Q4_1", "Q8_0"])
@@ -71,7 +80,7 @@ def test_weight_layout(qtype: int) -> None:
     lane; 13 rows leave a last group of 5 real rows and 3 zero lanes. No padding of K (25 blocks stay 25)."""
     w = weight(qtype, 13, 800)
     packed = int8dot.pack_weight(qtype, w.data)
-    group = 160 if qtype == Q4_1 else 304
+    group = 160 if qtype == Q4_1 else 272
     assert packed.shape == (2, 25 * group) and packed.dtype == np.uint8
     block = 20 if qtype == Q4_1 else 34
     for n in (0, 5, 9, 12):
@@ -85,15 +94,14 @@ def test_weight_layout(qtype: int) -> None:
                 for j in (0, 7, 15):
                     assert dst[32 + 32 * (j // 4) + 4 * lane + j % 4] == src[4 + j]
             else:
-                values = src[2:34].view(np.int8)
-                assert dst[16 + 4 * lane : 20 + 4 * lane].view(np.int32)[0] == 128 * int(values.astype(int).sum())
+                flip = 128 if int8dot.OFFSET_Q8_0 else 0  # q + 128 as unsigned bytes where the kernels take that
                 for j in (0, 13, 31):
-                    assert dst[48 + 32 * (j // 4) + 4 * lane + j % 4] == src[2 + j]
+                    assert dst[16 + 32 * (j // 4) + 4 * lane + j % 4] == src[2 + j] ^ flip
     lanes = packed[1].reshape(25, group)
     if qtype == Q4_1:
         empty = [lanes[:, 10:16], lanes[:, 26:32]] + [lanes[:, 32 + 32 * t + 20 : 64 + 32 * t] for t in range(4)]
     else:
-        empty = [lanes[:, 10:16], lanes[:, 36:48]] + [lanes[:, 48 + 32 * u + 20 : 80 + 32 * u] for u in range(8)]
+        empty = [lanes[:, 10:16]] + [lanes[:, 16 + 32 * u + 20 : 48 + 32 * u] for u in range(8)]
     assert not any(part.any() for part in empty)  # lanes 5..7 of the last group: zero
 
 
@@ -195,22 +203,14 @@ def _inner_loops(asm: str) -> list[list[str]]:
     return [[x for x in lines[a:b + 1] if x and not x.startswith((".", "#"))] for a, b in inner]
 
 
-# Stack accesses a block of the 16-lane Q8_0 loop on the 2-core Xeon VM (AVX-512 VNNI and AMX, LLVM's
-# "rocketlake" schedule, 2026-12-07): 12, where Zen's schedule has none. Its cost measured small there: the
-# 1536 x 576 matmuls in cache, one thread, batch 8 (`bench/gemm_ab.py`'s kernel part), Q8_0 162.6 GMAC/s against
-# Q4_1's 171.1 (0.95; on the Zen 4 VM, spill-free, 161.4 against 159.1).
-_INTEL_Q8_0_SPILLS = 12
-
-
 @pytest.mark.parametrize("qtype", TYPES, ids=["Q4_1", "Q8_0"])
 def test_the_eight_row_block_loop_is_dot_instructions_in_registers(qtype: int) -> None:
     """numba's assembly for the host's 8-row kernel, as `_gemm_groups` runs it (the 16-lane kernel with AVX-512
     VNNI, else the 8-lane one): its loop over the blocks does the products with the ISA's integer dot instruction
     (VNNI's vpdpbusd, 8 a row and block; AVX2's vpmaddubsw / vpmaddwd), and on AVX-512 VNNI it keeps its vectors
     in the 32 registers: no vector load or store of the stack (two chains of four dot products a row spilled
-    there, 14 accesses a block at 16 lanes). One measured exception: Q8_0 on an Intel CPU, where LLVM's schedule
-    broadcasts the activation pieces of several rows into registers ahead of their dot products and spills 12
-    accesses a block (`_INTEL_Q8_0_SPILLS`)."""
+    there, 14 accesses a block at 16 lanes; and Q8_0's, on the Xeon VM, when its activations were the unsigned
+    operand: `int8dot._offset_q8_0`)."""
     import numba
 
     # `_gemm_groups` with the weight type a constant (numba freezes a closure's variables), compiled here
@@ -224,7 +224,7 @@ def test_the_eight_row_block_loop_is_dot_instructions_in_registers(qtype: int) -
 
     w = weight(qtype, 16, 96)
     x = activations(8, 96)
-    xq, xd, xs = int8dot.quantize_rows(x, offset=int8dot._offset_q8_0(int8dot.INT8_ISA) and qtype == Q8_0)
+    xq, xd, xs = int8dot.quantize_rows(x, int8dot.xs_kind(kernel_qtype, int8dot.OFFSET_Q8_0))
     out = np.zeros((8, 16), dtype=np.float32)
     probe(w.int8_packed, xq, xd, xs, out)
     np.testing.assert_allclose(out, quant.matmul(w, x, int8=True), rtol=1e-6, atol=1e-6)
@@ -240,8 +240,7 @@ def test_the_eight_row_block_loop_is_dot_instructions_in_registers(qtype: int) -
     if int8dot.INT8_ISA == "vnni":
         assert most == 64, most
         spills = [ins for ins in inner if ins.startswith("v") and "(%rsp)" in ins]  # vector registers only
-        allowed = _INTEL_Q8_0_SPILLS if qtype == Q8_0 and HOST_CPU_VENDOR == "GenuineIntel" else 0
-        assert len(spills) <= allowed, f"the block loop spills vector registers to the stack: {spills}"
+        assert not spills, f"the block loop spills vector registers to the stack: {spills}"
 
 
 def test_cpu_vendor_is_read_from_cpuinfo(tmp_path) -> None:

@@ -31,10 +31,10 @@ download, Q4_K_M / Q5_K_M) run as whole steps only, each matrix on its own type'
 calls them through a pointer, so that one compiled step serves every model),
 and their mixes within a layer (Q4_K_M's Q6_K attn_v beside Q4_K q and k, SmolLM2's Q8_0 attn_v beside Q5_0)
 keep q, k and v apart, each written into its columns of one q|k|v output: the attention then reads it as it
-reads a stacked one's. A phase's input is quantized once; where its matrices take different activation
-bytes (Q8_0's flip on VNNI) or the halves' sums (Q6_K, IQ4 on VNNI), the quantizing member writes those
-beside it (`_block_extras`). Every output is computed by the same kernel on the same bytes as the Python loop's
-matmul of that matrix: the same bits (tests/kernels/test_decode_layers.py).
+reads a stacked one's. A phase's input is quantized once; where some matrix reads other sums of it in place of
+xs (the halves' sums: Q6_K, IQ4 on VNNI; the corrections: Q8_0 on VNNI), the quantizing member writes those
+beside it (`DecodePlan.sums`). Every output is computed by the same kernel on the same bytes as the Python
+loop's matmul of that matrix: the same bits (tests/kernels/test_decode_layers.py).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from pantheon.kernels.cpu import attend_ir, gemm_call, int8dot, int8k, ops, quan
 
 log = logging.getLogger("pantheon.kernels")
 
-# The matrices of a layer, in the order of `DecodePlan.qtypes` / `rows` / `cols` / `flips` columns and of its
+# The matrices of a layer, in the order of `DecodePlan.qtypes` / `rows` / `cols` columns and of its
 # `weights` lists. Where q, k and v have one type they are stacked at load into one matrix (LlamaBlock.w_qkv) that
 # stands as Q, K and V then empty (no rows); gate and up likewise as GATE.
 Q, K, V, OUT, GATE, UP, DOWN = range(7)
@@ -63,75 +63,50 @@ _PHASES = 8
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
-def _matmul(gemm, qtype, packed, rows, x, flip, n_chunks):
+def _matmul(gemm, qtype, packed, rows, x, n_chunks):
     out = np.empty((x.shape[0], rows), dtype=np.float32)
-    int8dot._matmul(gemm, qtype, packed, x, out, flip, n_chunks)
+    int8dot._matmul(gemm, qtype, packed, x, out, n_chunks)
     return out
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
-def _layers(gemm, x, h, qtypes, rows, flips, w_qkv, w_out, w_gate_up, w_down, ffn_norms, next_norms, eps, k_pools,
+def _layers(gemm, x, h, qtypes, rows, w_qkv, w_out, w_gate_up, w_down, ffn_norms, next_norms, eps, k_pools,
             v_pools, slots, positions, cos_table, sin_table, scale, n_q_heads, n_chunks):
     """The layers one matmul at a time, for plans of stacked q|k|v and gate|up matrices of int8dot's types (gemm:
     `int8dot.gemm_address`)."""
     n_seqs = x.shape[0]
     head_dim = k_pools[0].shape[3]
     for li in range(len(w_qkv)):
-        qkv = _matmul(gemm, qtypes[li, Q], w_qkv[li], rows[li, Q], h, flips[li, Q], n_chunks)
+        qkv = _matmul(gemm, qtypes[li, Q], w_qkv[li], rows[li, Q], h, n_chunks)
         attn = np.empty((n_seqs, n_q_heads, head_dim), dtype=np.float32)
         ops._attention_decode_qkv_kernel(qkv, False, cos_table, sin_table, k_pools[li], v_pools[li], slots,
                                          positions, scale, attn)
         o = _matmul(gemm, qtypes[li, OUT], w_out[li], rows[li, OUT], attn.reshape(n_seqs, n_q_heads * head_dim),
-                    flips[li, OUT], n_chunks)
+                    n_chunks)
         ops._add_rmsnorm_rows(x, o, ffn_norms[li], eps, h)
-        gate_up = _matmul(gemm, qtypes[li, GATE], w_gate_up[li], rows[li, GATE], h, flips[li, GATE], n_chunks)
+        gate_up = _matmul(gemm, qtypes[li, GATE], w_gate_up[li], rows[li, GATE], h, n_chunks)
         ff = ops._swiglu_stacked_rows(gate_up)
-        d = _matmul(gemm, qtypes[li, DOWN], w_down[li], rows[li, DOWN], ff, flips[li, DOWN], n_chunks)
+        d = _matmul(gemm, qtypes[li, DOWN], w_down[li], rows[li, DOWN], ff, n_chunks)
         ops._add_rmsnorm_rows(x, d, next_norms[li], eps, h)
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
-def _block_extras(q, flip, row, b_lo, b_hi):
-    """What the matrices of a K-quant plan (`DecodePlan.extras`) read beside blocks b_lo .. b_hi - 1 of row `row` of
-    q = (xq, xd, xs, xq_other, xh), quantized, where q has room for it: their bytes with the other flip (xq ^ -128:
-    a Q8_0 matrix on VNNI beside other types in one phase reads q + 128, the others q), and the sums of their
-    16-value halves of q (`int8k._half_sums`: the VNNI kernels of Q6_K and IQ4 take those in place of xs)."""
-    xq, other, halves = q[0], q[3], q[4]
-    if other.shape[1]:
-        for i in range(b_lo * int8dot.QK, b_hi * int8dot.QK):
-            other[row, i] = xq[row, i] ^ np.int8(-128)
-    if halves.shape[1]:
-        for half in range(2 * b_lo, 2 * b_hi):
-            total = np.int32(0)
-            if flip:  # xq's bytes are q ^ -128, q + 128 as unsigned bytes: q's sum is 16 * 128 less than theirs
-                for i in range(16 * half, 16 * half + 16):
-                    total += np.int32(xq[row, i]) & 255
-                total -= 16 * 128
-            else:
-                for i in range(16 * half, 16 * half + 16):
-                    total += np.int32(xq[row, i])
-            halves[row, half] = total
-
-
-@numba.njit(cache=True, nogil=True, error_model="numpy")
-def _quantize_blocks(x, q, flip, row, b_lo, b_hi):
-    """`int8dot._quantize`'s blocks b_lo .. b_hi - 1 of row `row` of x into q = (xq, xd, xs, xq_other, xh), and
-    their extras where q has room for them (`_block_extras`)."""
+def _quantize_blocks(x, q, row, b_lo, b_hi):
+    """`int8dot._quantize`'s blocks b_lo .. b_hi - 1 of row `row` of x into q = (xq, xd, xs, xh, xc), the halves'
+    sums and the corrections too where xh and xc have room for them (`_quantized`)."""
     for block in range(b_lo, b_hi):
-        int8dot._quantize_block(x, q[0], q[1], q[2], row, block, flip)
-    if q[3].shape[1] or q[4].shape[1]:
-        _block_extras(q, flip, row, b_lo, b_hi)
+        int8dot._quantize_block(x, q[0], q[1], q[2], q[3], q[4], row, block)
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
-def _quantize_rows(x, q, flip, r_lo, r_hi):
+def _quantize_rows(x, q, r_lo, r_hi):
     """`int8dot._quantize`'s blocks of rows r_lo .. r_hi - 1 of x into q (`_quantize_blocks`)."""
     for row in range(r_lo, r_hi):
-        _quantize_blocks(x, q, flip, row, 0, x.shape[1] // int8dot.QK)
+        _quantize_blocks(x, q, row, 0, x.shape[1] // int8dot.QK)
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
-def _swiglu_quantize_span(gate_up, ff, q, flip, part, parts):
+def _swiglu_quantize_span(gate_up, ff, q, part, parts):
     """This member's share (`team.span`) of the (row, block) pairs of ff = SwiGLU(gate_up), in row-major order:
     each block's SwiGLU, then its quantization for the down matmul (`int8dot._quantize_block`), by the same
     member: one phase and one barrier for what were two (the SwiGLU's rows, then their blocks), and the
@@ -147,12 +122,12 @@ def _swiglu_quantize_span(gate_up, ff, q, flip, part, parts):
         row, first = i // n_blocks, i % n_blocks
         end = min(n_blocks, first + hi - i)
         ops._swiglu_stacked_cols(gate_up, ff, row, first * qk, end * qk)
-        _quantize_blocks(ff, q, flip, row, first, end)
+        _quantize_blocks(ff, q, row, first, end)
         i += end - first
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
-def _add_rmsnorm_quantize_rows(residual, delta, weight, eps, out, q, flip, r_lo, r_hi):
+def _add_rmsnorm_quantize_rows(residual, delta, weight, eps, out, q, r_lo, r_hi):
     """`ops._add_rmsnorm_row` of rows r_lo .. r_hi - 1, each row's blocks quantized for the next matmul right
     after its norm (`int8dot._quantize_block`), by the member that owns the rows: no barrier between the norm
     and the quantization, which the team needed when the quantization's blocks were shared out apart from the
@@ -163,7 +138,7 @@ def _add_rmsnorm_quantize_rows(residual, delta, weight, eps, out, q, flip, r_lo,
     this VM's noise, at most a few percent. (The norms' alone, one run: batch 8 1292 -> 1265, batch 1 272 -> 273.)"""
     for r in range(r_lo, r_hi):
         ops._add_rmsnorm_row(residual, delta, weight, eps, out, r)
-        _quantize_rows(out, q, flip, r, r + 1)
+        _quantize_rows(out, q, r, r + 1)
 
 
 # Keys (and as many values) per sequence and kv head that the down matmul asks for: 128 rows of SmolLM2's
@@ -207,11 +182,11 @@ def _prefetch_item_kv(item, first_item, per_subgroup, n_subgroups, group, k_pool
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
-def _gemm_claimed(gemm, qtype, other, packed, q, out, col0, claims, phase, t, n_threads, kv):
+def _gemm_claimed(gemm, qtype, packed, q, out, col0, claims, phase, t, n_threads, kv):
     """Member t's share of a matmul the team shares out by claiming chunks of pairs of weight groups, its own
     part first (`team.claim_own_chunk`). An output's bits do not depend on who computes it. The smallest chunk
     is about a microsecond of work. gemm: the address of the kernels' gemm (`int8dot.gemm_address`,
-    `int8k.gemm_address`); other: the matrix reads q's other-flip bytes.
+    `int8k.gemm_address`). The matrix reads in the xs slot what its kernels take there (`int8k.xs_kind`).
 
     kv = (k_pool, v_pool, slots, positions, first, end): before each chunk of its own part the member also asks for
     the keys and values of (sequence, kv head) pairs first .. end - 1 (`_prefetch_kv_pairs`), as far as that chunk
@@ -226,8 +201,8 @@ def _gemm_claimed(gemm, qtype, other, packed, q, out, col0, claims, phase, t, n_
     owner-first claiming alone, in another such run, 2940-3115 against 3045-3283.)"""
     k_pool, v_pool, slots, positions, kv_first, kv_end = kv
     n_groups = packed.shape[0]
-    xq = q[3] if other else q[0]
-    xs = q[4] if int8k.reads_half_sums(qtype, int8k._UNSIGNED) else q[2]
+    kind = int8k.xs_kind(qtype, int8k._UNSIGNED)
+    xs = q[3] if kind == int8dot.XS_HALVES else (q[4] if kind == int8dot.XS_CORRECTIONS else q[2])
     min_chunk = max(2, 16 // q[0].shape[0])
     # Claimed in pairs of groups: the wide kernels take two a call (int8dot.INT8_WIDE).
     n_pairs = (n_groups + 1) // 2
@@ -241,7 +216,7 @@ def _gemm_claimed(gemm, qtype, other, packed, q, out, col0, claims, phase, t, n_
             upto = kv_first + (kv_end - kv_first) * (hi - part_lo) // (part_hi - part_lo)
             _prefetch_kv_pairs(k_pool, v_pool, slots, positions, asked, upto)
             asked = upto
-        gemm_call.call_gemm(gemm, qtype, packed, xq, q[1], xs, out, 2 * lo, min(n_groups, 2 * hi), col0)
+        gemm_call.call_gemm(gemm, qtype, packed, q[0], q[1], xs, out, 2 * lo, min(n_groups, 2 * hi), col0)
     _prefetch_kv_pairs(k_pool, v_pool, slots, positions, asked, kv_end)
 
 
@@ -252,17 +227,17 @@ def _gemm_phases(gemm, q, qtype, packed, out, claims, phase, sync, t, n_threads,
     between chunks (`_gemm_claimed`). False when the team was given up at a barrier: leave the region then."""
     if not team.barrier(sync, t, n_threads, spin_limit):
         return False
-    _gemm_claimed(gemm, qtype, False, packed, q, out, 0, claims, phase, t, n_threads, kv)
+    _gemm_claimed(gemm, qtype, packed, q, out, 0, claims, phase, t, n_threads, kv)
     return team.barrier(sync, t, n_threads, spin_limit)
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
-def _layer_matmuls(gemm, q, li, m_lo, m_hi, qtypes, cols, flips, w_layer, out, claims, sync, t, n_threads,
-                   spin_limit, kv):
+def _layer_matmuls(gemm, q, li, m_lo, m_hi, qtypes, cols, w_layer, out, claims, sync, t, n_threads, spin_limit,
+                   kv):
     """A layer's matrices m_lo .. m_hi - 1 (one phase: q, k and v, or gate and up, or one) times the input the
-    members quantized into q with the first one's flip, each into its columns of out: meet, claim chunks of one
-    matrix after another (an empty matrix has none), meet again. The first asks for kv's keys and values as it
-    goes (`_gemm_claimed`). A matrix of the other flip reads q's other bytes. False when the team was given up."""
+    members quantized into q, each into its columns of out: meet, claim chunks of one matrix after another (an
+    empty matrix has none), meet again. The first asks for kv's keys and values as it goes (`_gemm_claimed`).
+    False when the team was given up."""
     if not team.barrier(sync, t, n_threads, spin_limit):
         return False
     run = kv
@@ -270,33 +245,33 @@ def _layer_matmuls(gemm, q, li, m_lo, m_hi, qtypes, cols, flips, w_layer, out, c
         packed = w_layer[m]
         if packed.shape[0] == 0:
             continue
-        _gemm_claimed(gemm, qtypes[li, m], flips[li, m] != flips[li, m_lo], packed, q, out, cols[li, m], claims,
-                      _PHASES * li + m, t, n_threads, run)
+        _gemm_claimed(gemm, qtypes[li, m], packed, q, out, cols[li, m], claims, _PHASES * li + m, t, n_threads,
+                      run)
         run = (kv[0], kv[1], kv[2], kv[3], kv[5], kv[5])  # asked for once
     return team.barrier(sync, t, n_threads, spin_limit)
 
 
-# `DecodePlan.extras`: which of the step's quantized inputs carry what the matrices of other kinds read
-# (`_block_extras`): q_d the other flip's bytes, and q_d, q_a, q_f the halves' sums.
-EXTRA_OTHER, EXTRA_HALVES_D, EXTRA_HALVES_A, EXTRA_HALVES_F = range(4)
+# The step's quantized inputs, rows of `DecodePlan.sums`: of the q|k|v, gate|up and output matmuls (width D), of
+# the out matmul, of the down matmul.
+SUMS_D, SUMS_A, SUMS_F = range(3)
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
-def _quantized(n_seqs, width, other, halves):
-    """Buffers (xq, xd, xs, xq_other, xh) for n_seqs rows of `width` values quantized (`_quantize_blocks`), the
-    last two empty where not asked for."""
+def _quantized(n_seqs, width, sums):
+    """Buffers (xq, xd, xs, xh, xc) for n_seqs rows of `width` values quantized (`_quantize_blocks`): xh the halves'
+    sums and xc the corrections, each empty where sums (a row of `DecodePlan.sums`) does not ask for it."""
     qk = int8dot.QK
     return (np.empty((n_seqs, width), dtype=np.int8), np.empty((n_seqs, width // qk), dtype=np.float32),
             np.empty((n_seqs, width // qk), dtype=np.float32),
-            np.empty((n_seqs, width if other else 0), dtype=np.int8),
-            np.empty((n_seqs, width // 16 if halves else 0), dtype=np.float32))
+            np.empty((n_seqs, width // 16 if sums[int8dot.XS_HALVES] else 0), dtype=np.float32),
+            np.empty((n_seqs, width // qk if sums[int8dot.XS_CORRECTIONS] else 0), dtype=np.float32))
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
-def _team_member(gemm, t, n_threads, spin_limit, sync, claims, x, h, qtypes, cols, flips, weights, ffn_norms,
+def _team_member(gemm, t, n_threads, spin_limit, sync, claims, x, h, qtypes, cols, weights, ffn_norms,
                  next_norms, eps, k_pools, v_pools, slots, positions, cos_table, sin_table, scale, first_item,
                  per_subgroup, n_subgroups, max_splits, part_max, part_sum, part_acc, qkv, attn, o, gate_up, ff, d, q_d,
-                 q_a, q_f, out_qtype, out_packed, out_flip, logits):
+                 q_a, q_f, out_qtype, out_packed, logits):
     """Member t's part of `_team_step`'s layers and output matmul: each phase does its share (`team.span`, or
     what it claims: `_gemm_claimed`, the attention items) and a barrier separates phases that read what another
     wrote."""
@@ -329,7 +304,7 @@ def _team_member(gemm, t, n_threads, spin_limit, sync, claims, x, h, qtypes, col
     # h (B, D), the input of a layer's q|k|v and gate|up matmuls and of the output matmul, is quantized by the
     # member that computed its rows (`_add_rmsnorm_quantize_rows`); the first layer's came normed from outside.
     n_layers = len(weights[Q])
-    _quantize_rows(h, q_d, flips[0, Q] if n_layers else out_flip, r_lo, r_hi)
+    _quantize_rows(h, q_d, r_lo, r_hi)
     for li in range(n_layers):
         phase = _PHASES * li
         # Taken from the lists once a layer, as views without an owner: each list access increments and
@@ -338,7 +313,7 @@ def _team_member(gemm, t, n_threads, spin_limit, sync, claims, x, h, qtypes, col
         w_layer = (u(weights[Q][li]), u(weights[K][li]), u(weights[V][li]), u(weights[OUT][li]),
                    u(weights[GATE][li]), u(weights[UP][li]), u(weights[DOWN][li]))
         this_kv = (k_pool, v_pool, slots, positions, kv_lo, kv_hi)
-        if not _layer_matmuls(gemm, q_d, li, Q, V + 1, qtypes, cols, flips, w_layer, qkv, claims, sync, t,
+        if not _layer_matmuls(gemm, q_d, li, Q, V + 1, qtypes, cols, w_layer, qkv, claims, sync, t,
                               n_threads, spin_limit, this_kv):
             break
         while True:  # items differ in length (each sequence its own context): claimed one by one
@@ -352,38 +327,37 @@ def _team_member(gemm, t, n_threads, spin_limit, sync, claims, x, h, qtypes, col
                                                      positions, scale32, attn, first_item, per_subgroup, n_subgroups,
                                                      part_max, part_sum, part_acc, scratch, False)
             if items_quantize:  # the item's output rows are whole: quantized for the out matmul at once
-                _quantize_blocks(attn_rows, q_a, flips[li, OUT], b, h0 * head_blocks, (h0 + n_heads) * head_blocks)
+                _quantize_blocks(attn_rows, q_a, b, h0 * head_blocks, (h0 + n_heads) * head_blocks)
         if not items_quantize:  # a member's rows once every item is done: merged (split runs), then quantized
             if not team.barrier(sync, t, n_threads, spin_limit):
                 break
             if max_splits > 1:
                 ops._merge_split_rows(positions, part_max, part_sum, part_acc, attn, r_lo, r_hi)
-            _quantize_rows(attn_rows, q_a, flips[li, OUT], r_lo, r_hi)
-        if not _layer_matmuls(gemm, q_a, li, OUT, OUT + 1, qtypes, cols, flips, w_layer, o, claims, sync, t,
+            _quantize_rows(attn_rows, q_a, r_lo, r_hi)
+        if not _layer_matmuls(gemm, q_a, li, OUT, OUT + 1, qtypes, cols, w_layer, o, claims, sync, t,
                               n_threads, spin_limit, no_kv):
             break
-        _add_rmsnorm_quantize_rows(x, o, ffn_norms[li], eps, h, q_d, flips[li, GATE], r_lo, r_hi)
-        if not _layer_matmuls(gemm, q_d, li, GATE, UP + 1, qtypes, cols, flips, w_layer, gate_up, claims, sync, t,
+        _add_rmsnorm_quantize_rows(x, o, ffn_norms[li], eps, h, q_d, r_lo, r_hi)
+        if not _layer_matmuls(gemm, q_d, li, GATE, UP + 1, qtypes, cols, w_layer, gate_up, claims, sync, t,
                               n_threads, spin_limit, no_kv):
             break
         # The down matmul's input: the SwiGLU of gate|up, computed block by block as it is quantized.
-        _swiglu_quantize_span(gate_up, ff, q_f, flips[li, DOWN], t, n_threads)
+        _swiglu_quantize_span(gate_up, ff, q_f, t, n_threads)
         # The down matmul asks for this member's share of the next layer's keys and values as it goes.
         next_kv = no_kv if li + 1 == n_layers else (u(k_pools[li + 1]), u(v_pools[li + 1]), slots, positions,
                                                      kv_lo, kv_hi)
-        if not _layer_matmuls(gemm, q_f, li, DOWN, DOWN + 1, qtypes, cols, flips, w_layer, d, claims, sync, t,
+        if not _layer_matmuls(gemm, q_f, li, DOWN, DOWN + 1, qtypes, cols, w_layer, d, claims, sync, t,
                               n_threads, spin_limit, next_kv):
             break
-        _add_rmsnorm_quantize_rows(x, d, next_norms[li], eps, h, q_d,
-                                   out_flip if li + 1 == n_layers else flips[li + 1, Q], r_lo, r_hi)
+        _add_rmsnorm_quantize_rows(x, d, next_norms[li], eps, h, q_d, r_lo, r_hi)
     _gemm_phases(gemm, q_d, out_qtype, out_packed, logits, claims, _PHASES * n_layers, sync, t, n_threads,
                  spin_limit, no_kv)
 
 
 @numba.njit(parallel=True, cache=True, nogil=True, error_model="numpy")
 def _team_step(n_threads, spin_limit, tokens, embd_qtype, embd_data, first_norm, out_qtype, out_packed, out_rows,
-               out_flip, gemm, extras, qtypes, rows, cols, flips, w_q, w_k, w_v, w_out, w_gate, w_up, w_down, ffn_norms,
-               next_norms, eps, k_pools, v_pools, slots, positions, n_rot, freq_base, freq_scale, scale, n_q_heads):
+               gemm, sums, qtypes, rows, cols, w_q, w_k, w_v, w_out, w_gate, w_up, w_down, ffn_norms, next_norms, eps,
+               k_pools, v_pools, slots, positions, n_rot, freq_base, freq_scale, scale, n_q_heads):
     """The whole decode step: the rotation's angles, embedding rows and the first norm here, then the layers and
     the output matrix by a team of n_threads in one parallel region, iteration t of its prange member t
     (`_team_member`). Returns (logits (B, out_rows), completed): not completed when the team was given up (a
@@ -404,10 +378,10 @@ def _team_step(n_threads, spin_limit, tokens, embd_qtype, embd_data, first_norm,
     seven lists. `bench/batch_ab.py --pairs 4 --rounds 4`, two runs against the tuple: batch 1 239 -> 258 and
     251 -> 262 tok/s, batch 8 1001 -> 1044 and 1027 -> 1009.
 
-    The buffers: q_d / q_a / q_f (xq, xd, xs, xq_other, xh) for inputs of width D, n_q_heads * head_dim and the
-    FFN width (`_block_extras`: the last two empty where no matrix reads them). Each member gets the shared
-    arrays as views without an owner (`team.unowned`: no reference counting on the words both threads would
-    write, per call)."""
+    The buffers: q_d / q_a / q_f (xq, xd, xs, xh, xc) for inputs of width D, n_q_heads * head_dim and the FFN
+    width (xh, the halves' sums, and xc, the corrections, empty where no matrix reads them: `sums`). Each member
+    gets the shared arrays as views without an owner (`team.unowned`: no reference counting on the words both
+    threads would write, per call)."""
     weights = (w_q, w_k, w_v, w_out, w_gate, w_up, w_down)
     n_seqs = tokens.shape[0]
     for t in range(n_seqs):
@@ -433,9 +407,9 @@ def _team_step(n_threads, spin_limit, tokens, embd_qtype, embd_data, first_norm,
     width = rows[0, DOWN]
     qkv_rows = rows[0, Q] + rows[0, K] + rows[0, V]
     ffn = (rows[0, GATE] + rows[0, UP]) // 2
-    q_d = _quantized(n_seqs, dim, extras[EXTRA_OTHER], extras[EXTRA_HALVES_D])
-    q_a = _quantized(n_seqs, n_q_heads * head_dim, 0, extras[EXTRA_HALVES_A])
-    q_f = _quantized(n_seqs, ffn, 0, extras[EXTRA_HALVES_F])
+    q_d = _quantized(n_seqs, dim, sums[SUMS_D])
+    q_a = _quantized(n_seqs, n_q_heads * head_dim, sums[SUMS_A])
+    q_f = _quantized(n_seqs, ffn, sums[SUMS_F])
     logits = np.empty((n_seqs, out_rows), dtype=np.float32)
     sync = team.new_sync(n_threads)
     n_layers = len(weights[Q])
@@ -450,13 +424,12 @@ def _team_step(n_threads, spin_limit, tokens, embd_qtype, embd_data, first_norm,
     for t in numba.prange(n_threads):
         # np.int64(t): one compiled `_team_member`, not two (see ops._njit_parallel).
         _team_member(gemm, np.int64(t), n_threads, spin_limit, u(sync), u(claims), u(x), u(h),
-                     u(qtypes), u(cols), u(flips), weights, u(ffn_norms), u(next_norms), eps, k_pools, v_pools,
+                     u(qtypes), u(cols), weights, u(ffn_norms), u(next_norms), eps, k_pools, v_pools,
                      u(slots), u(positions), u(cos_table), u(sin_table), scale, u(first_item), per_subgroup,
                      n_subgroups, max_splits, u(part_max), u(part_sum), u(part_acc), u(qkv), u(attn), u(o), u(gate_up),
                      u(ff), u(d), (u(q_d[0]), u(q_d[1]), u(q_d[2]), u(q_d[3]), u(q_d[4])),
                      (u(q_a[0]), u(q_a[1]), u(q_a[2]), u(q_a[3]), u(q_a[4])),
-                     (u(q_f[0]), u(q_f[1]), u(q_f[2]), u(q_f[3]), u(q_f[4])), out_qtype, u(out_packed), out_flip,
-                     u(logits))
+                     (u(q_f[0]), u(q_f[1]), u(q_f[2]), u(q_f[3]), u(q_f[4])), out_qtype, u(out_packed), u(logits))
     return logits, sync[team.ABORT] == 0
 
 
@@ -471,7 +444,6 @@ class DecodeEnds:
     out_qtype: int
     out_packed: np.ndarray
     out_rows: int
-    out_flip: np.int32
 
 
 @dataclass
@@ -483,7 +455,6 @@ class DecodePlan:
     qtypes: np.ndarray  # int64 (L, 7): the kernel type of each matrix (`_kernel_of`)
     rows: np.ndarray  # int64 (L, 7): each matrix's output features
     cols: np.ndarray  # int64 (L, 7): where its outputs start in its phase's output (q|k|v, gate|up side by side)
-    flips: np.ndarray  # int32 (L, 7): `int8dot._flip` of each matrix
     weights: tuple[Any, ...]  # seven typed lists of the packed matrices (`QWeight.int8_packed`)
     ffn_norms: np.ndarray  # float32 (L, D)
     next_norms: np.ndarray  # float32 (L, D): the next layer's attention norm, the output norm after the last
@@ -491,9 +462,9 @@ class DecodePlan:
     # Whether some matrix takes int8k's kernels, not int8dot's (the step then calls the gemm of every type:
     # `int8k.gemm_address`).
     k_quants: bool = False
-    # int64 (4,): which quantized inputs carry extras (`EXTRA_OTHER` ..), all 0 for a plan of one flip and no
-    # halves' sums.
-    extras: np.ndarray = field(default_factory=lambda: np.zeros(4, dtype=np.int64))
+    # int64 (3, 3): whether quantized input i (`SUMS_D` ..) carries sums of kind k (`int8dot.XS_SCALED` ..): the
+    # kinds its matrices read in the xs slot (`int8k.xs_kind`; d * sum(q) always).
+    sums: np.ndarray = field(default_factory=lambda: np.eye(3, dtype=np.int64)[[0, 0, 0]])
     ends: DecodeEnds | None = None  # set when the whole step, embedding to logits, runs compiled
 
     def gemm_address(self) -> int:
@@ -504,22 +475,20 @@ class DecodePlan:
 
     @property
     def layers_path(self) -> bool:
-        """Whether `decode_layers` (the layers alone, matmul by matmul) can run this plan: int8dot's types, q|k|v
-        and gate|up stacked, one flip a phase's input. Other plans run as whole steps only."""
+        """Whether `decode_layers` (the layers alone, matmul by matmul, each quantizing its own input) can run this
+        plan: int8dot's types, q|k|v and gate|up stacked. Other plans run as whole steps only."""
         empty = self.rows[:, [K, V, UP]]
-        return not self.k_quants and not empty.any() and not self.extras.any()
+        return not self.k_quants and not empty.any()
 
 
-def _kernel_of(w: Any) -> tuple[int, np.int32]:
-    """The type whose kernels (int8dot's or int8k's) run w's packed rows (`kernel_qtype`), and the activations'
-    flip for them."""
-    qtype = int8k.kernel_qtype(w.qtype) if w.qtype in int8k.TYPES else int8dot.kernel_qtype(w.qtype)
-    return qtype, np.int32(int8dot._flip(qtype, int8dot.INT8_ISA))
+def _kernel_of(w: Any) -> int:
+    """The type whose kernels (int8dot's or int8k's) run w's packed rows (`kernel_qtype`)."""
+    return int8k.kernel_qtype(w.qtype) if w.qtype in int8k.TYPES else int8dot.kernel_qtype(w.qtype)
 
 
-def _reads_half_sums(qtype: int) -> bool:
-    """Whether the kernels of kernel type `qtype` read the halves' sums of their input (`int8k.reads_half_sums`)."""
-    return bool(int8k.reads_half_sums(int(qtype), int8k._UNSIGNED))
+def _xs_kind(qtype: int) -> int:
+    """What the kernels of kernel type `qtype` read in the xs slot of their input (`int8k.xs_kind`)."""
+    return int(int8k.xs_kind(int(qtype), int8k._UNSIGNED))
 
 
 # A stand-in for the empty columns (K and V, UP) of a stacked matrix: no groups to claim.
@@ -563,37 +532,35 @@ def build_plan(blocks: list[Any], output_norm: np.ndarray, head_dim: int, int8: 
         matrices.append(output)
     quant.pack_on_huge_pages(matrices)
     lists = tuple(List() for _ in range(7))
-    kinds = np.zeros((len(blocks), 7, 2), dtype=np.int64)  # (kernel type, flip)
+    qtypes = np.zeros((len(blocks), 7), dtype=np.int64)
     rows = np.zeros((len(blocks), 7), dtype=np.int64)
     for li, layer in enumerate(layers):
         for column, w in enumerate(layer):
             lists[column].append(_NO_MATRIX if w is None else w.int8_packed)
             if w is not None:
-                kinds[li, column] = _kernel_of(w)
+                qtypes[li, column] = _kernel_of(w)
                 rows[li, column] = w.rows
-            else:  # an empty column takes its phase's first matrix's kind: it asks for no other bytes
-                kinds[li, column] = kinds[li, column - 1]
+            else:  # an empty column takes its phase's first matrix's type: it asks for no sums of its own
+                qtypes[li, column] = qtypes[li, column - 1]
     ends = None
     if (tok_embd is not None and output is not None and getattr(tok_embd, "qtype", quant.F32) != quant.F32
             and tok_embd.qtype in quant.SUPPORTED_TYPES
             and getattr(output, "qtype", None) in int8dot.INT8_TYPES | int8k.TYPES):
-        out_qtype, out_flip = _kernel_of(output)
+        out_qtype = _kernel_of(output)
         ends = DecodeEnds(embd_qtype=tok_embd.qtype, embd_data=tok_embd.data,
                           first_norm=np.asarray(blocks[0].attn_norm, dtype=np.float32),
-                          out_qtype=out_qtype, out_packed=output.int8_packed, out_rows=output.rows, out_flip=out_flip)
-    qtypes, flips = kinds[:, :, 0], kinds[:, :, 1].astype(np.int32)
+                          out_qtype=out_qtype, out_packed=output.int8_packed, out_rows=output.rows)
     cols = np.zeros_like(rows)
     cols[:, K], cols[:, V], cols[:, UP] = rows[:, Q], rows[:, Q] + rows[:, K], rows[:, GATE]
-    halves = np.vectorize(_reads_half_sums, otypes=[bool])(qtypes)
-    out_halves = ends is not None and _reads_half_sums(ends.out_qtype)
-    extras = np.array([
-        (flips[:, [K, V]] != flips[:, [Q]]).any() or (flips[:, [UP]] != flips[:, [GATE]]).any(),
-        halves[:, [Q, K, V, GATE, UP]].any() or out_halves, halves[:, OUT].any(), halves[:, DOWN].any()],
-        dtype=np.int64)
+    kinds = np.vectorize(_xs_kind, otypes=[np.int64])(qtypes)
+    readers = [np.concatenate([kinds[:, [Q, K, V, GATE, UP]].ravel(), [_xs_kind(ends.out_qtype)] if ends else []]),
+               kinds[:, OUT], kinds[:, DOWN]]  # the kinds each input's matrices read (SUMS_D, SUMS_A, SUMS_F)
+    sums = np.array([[kind == int8dot.XS_SCALED or (read == kind).any() for kind in range(3)] for read in readers],
+                    dtype=np.int64)
     all_int8dot = all(w is None or w.qtype in int8dot.INT8_TYPES for layer in layers for w in layer) and (
         ends is None or output.qtype in int8dot.INT8_TYPES)
     plan = DecodePlan(
-        ends=ends, qtypes=qtypes, rows=rows, cols=cols, flips=flips, weights=lists, extras=extras,
+        ends=ends, qtypes=qtypes, rows=rows, cols=cols, weights=lists, sums=sums,
         k_quants=not all_int8dot,
         ffn_norms=np.stack([np.asarray(blk.ffn_norm, dtype=np.float32) for blk in blocks]),
         next_norms=np.stack([np.asarray(b.attn_norm, dtype=np.float32) for b in blocks[1:]]
@@ -630,7 +597,7 @@ def decode_layers(plan: DecodePlan, x: np.ndarray, h: np.ndarray, eps: float, k_
         raise ValueError("this plan runs as whole decode steps only")
     slots, positions, cos_table, sin_table = _rows(plan.head_dim, slots, positions, n_rot, freq_base, freq_scale)
     w = plan.weights
-    _layers(plan.gemm_address(), x, h, plan.qtypes, plan.rows, plan.flips, w[Q], w[OUT], w[GATE], w[DOWN],
+    _layers(plan.gemm_address(), x, h, plan.qtypes, plan.rows, w[Q], w[OUT], w[GATE], w[DOWN],
             plan.ffn_norms, plan.next_norms, float(eps), k_pools, v_pools, slots, positions, cos_table, sin_table,
             float(scale), n_q_heads, 4 * threads)
 
@@ -662,8 +629,8 @@ def step_args(plan: DecodePlan, tokens: np.ndarray, eps: float, k_pools: Any, v_
     ops._check_n_rot(n_rot, plan.head_dim)
     # The angle tables are made inside the compiled step: this Python runs cache-cold after every step.
     return (np.ascontiguousarray(tokens, dtype=np.int64), ends.embd_qtype, ends.embd_data, ends.first_norm,
-            ends.out_qtype, ends.out_packed, ends.out_rows, ends.out_flip, plan.gemm_address(), plan.extras,
-            plan.qtypes, plan.rows, plan.cols, plan.flips, *plan.weights, plan.ffn_norms, plan.next_norms, float(eps),
+            ends.out_qtype, ends.out_packed, ends.out_rows, plan.gemm_address(), plan.sums,
+            plan.qtypes, plan.rows, plan.cols, *plan.weights, plan.ffn_norms, plan.next_norms, float(eps),
             k_pools, v_pools, np.asarray(slots, dtype=np.int32), np.asarray(positions, dtype=np.int32), n_rot,
             float(freq_base), float(freq_scale), float(scale), n_q_heads)
 

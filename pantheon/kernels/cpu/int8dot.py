@@ -33,9 +33,11 @@ CPU name and features, so a cached kernel never runs on a CPU that lacks its ins
 Per block (the m term of Q4_1 uses the activation block's sum, precomputed by `quantize_rows`):
     Q4_1:  d_w * d_x * sum(q_w * q_x) + m_w * (d_x * sum(q_x))       q_w in 0..15
     Q8_0:  d_w * d_x * sum(q_w * q_x)                               q_w in -128..127
-Q8_0 on VNNI takes the activations as q_x + 128 (unsigned) and subtracts 128 * sum(q_w) per block; on AVX2
-the weights' signs move onto the activations (|q_w| * sign(q_w) q_x) instead, as vpmaddubsw would saturate
-on (q_x + 128) * q_w.
+Q8_0 on VNNI takes its weights as q_w + 128 (unsigned: `pack_weight` flips their bytes' top bit) against the
+signed activations, and starts each block's integer sum from -128 * sum(q_x) (`quantize_rows`' corrections,
+which the Q8_0 kernels read in place of xs; `_offset_q8_0` says why this way round); on AVX2 the weights'
+signs move onto the activations (|q_w| * sign(q_w) q_x) instead, as vpmaddubsw would saturate on
+(q_w + 128) * q_x.
 """
 
 from __future__ import annotations
@@ -63,8 +65,9 @@ IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 
 QK = 32  # values per activation block (and per Q4_1 / Q8_0 weight block)
 LANES = 8  # weight rows side by side in the lanes of one vector
 # Bytes of one packed block of 8 rows (see `pack_weight`): Q4_1 8 f16 d, 8 f16 m, 128 bytes of nibbles; Q8_0
-# 8 f16 d, 8 int32 corrections, 256 bytes of values.
-Q4_1_GROUP, Q8_0_GROUP = 160, 304
+# 8 f16 d, 256 bytes of values.
+Q4_1_GROUP, Q8_0_GROUP = 160, 272
+Q8_0_VALUES = 16  # where a packed Q8_0 block's values start
 
 
 def _detect_isa() -> str | None:
@@ -89,10 +92,32 @@ WIDE_MIN_ROWS = 8
 
 
 def _offset_q8_0(isa: str | None) -> bool:
-    """With VNNI, Q8_0 takes its activations as q + 128, unsigned, and takes 128 * sum(q_w) off each block's sum
-    (stored by `pack_weight`); AVX2's vpmaddubsw would saturate on those products, so there the weights' signs
-    move onto the activations instead (|q_w| * sign(q_w) q_x)."""
+    """With VNNI, Q8_0 takes its weights as q_w + 128, the unsigned operand, and takes 128 * sum(q_x) off each
+    block's sum (the activations' corrections, `XS_CORRECTIONS`, read in place of xs); AVX2's vpmaddubsw would
+    saturate on those products, so there the weights' signs move onto the activations instead
+    (|q_w| * sign(q_w) q_x).
+
+    The weights, not the activations, are the unsigned side so that an activation piece can be the signed
+    operand, which vpdpbusd reads broadcast from memory. With the activations as q_x + 128 (until 2026-12-07)
+    each of the 8 pieces of each of the 8 rows was first broadcast into a register of its own: the 16-lane loop
+    held 64 broadcasts a block beside its 64 dot products, 236 instructions a block on the 2-core Xeon VM (AMX,
+    AVX-512 VNNI, LLVM's "rocketlake" schedule), where it spilled to the stack (12 accesses a block), and 217
+    under LLVM's Zen 4 schedule; now 157 and 158, no spill. The packed blocks also lost the 128 * sum(q_w) that
+    the old form took off (32 of a group's 304 bytes): the default model's output matrix is 10.5% smaller. The
+    same bits as before. On the Xeon VM: the 1536 x 576 Q8_0 matmul in cache, one thread, each version on its
+    own packing in turns, batch 1 / 4 / 8 / 16 x1.04 / x0.97 / x1.05 / x1.04; the default model in-process
+    (`bench/batch_ab.py --pairs 4 --rounds 4`) batch 1 223 -> 244 tok/s, batch 8 840 -> 875 (every process of
+    the new tree above every one of the old)."""
     return isa == "vnni"
+
+
+# Whether this CPU's Q8_0 kernels take the weights as the unsigned operand: then `pack_weight` stores Q8_0 values
+# as q + 128 (a constant to the compiled code, which reads that packing).
+OFFSET_Q8_0: bool = _offset_q8_0(INT8_ISA)
+# What a kernel reads in the xs slot of the quantized activations (`quantize_rows`): d * sum(q) per block (Q4_1's
+# m terms), the sums of its two 16-value halves of q (int8k's Q6_K and IQ4 on VNNI), or -128 * sum(q) per block
+# (offset Q8_0).
+XS_SCALED, XS_HALVES, XS_CORRECTIONS = 0, 1, 2
 
 
 _i1, _i8, _i16, _i32, _i64 = ir.IntType(1), ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
@@ -233,11 +258,11 @@ def _group_loader(builder: ir.IRBuilder, wptr: ir.Value, row_bytes: ir.Value, la
 
 
 def _weight_block(builder: ir.IRBuilder, isa: str, q4: bool, load: Any, j: ir.Value, lanes: int
-                  ) -> tuple[list[ir.Value], ir.Value, ir.Value | None]:
+                  ) -> tuple[list[ir.Value], ir.Value]:
     """The weight side of block j of a packed group of 8 rows (16 lanes: of two groups, `_group_loader`): the
-    eight vectors that meet the broadcast activation pieces 0..7 (Q8_0 on AVX2: their magnitudes, then the
-    signed values too), the d scales as float32 (lane = row), and offset Q8_0's int32 corrections (else None).
-    Q4_1's m scales are read by the second loop (`_m_scales`)."""
+    eight vectors that meet the broadcast activation pieces 0..7 (Q8_0 on VNNI: q + 128 as packed; on AVX2
+    their magnitudes, then the signed values too), and the d scales as float32 (lane = row). Q4_1's m scales
+    are read by the second loop (`_m_scales`)."""
     base = _group_block_base(j, q4, builder)
     v_bytes = ir.VectorType(_i8, 4 * lanes)
 
@@ -249,12 +274,14 @@ def _weight_block(builder: ir.IRBuilder, isa: str, q4: bool, load: Any, j: ir.Va
         packed = [at(32 + 32 * t, _v32i8) for t in range(4)]
         low = [builder.and_(v, ir.Constant(v_bytes, [15] * (4 * lanes))) for v in packed]
         high = [builder.lshr(v, ir.Constant(v_bytes, [4] * (4 * lanes))) for v in packed]
-        return low + high, d_w, None
-    values = [at(48 + 32 * u, _v32i8) for u in range(8)]
+        return low + high, d_w
+    values = [at(Q8_0_VALUES + 32 * u, _v32i8) for u in range(8)]
     if _offset_q8_0(isa):
-        return values, d_w, at(16, _v8i32)
+        return values, d_w
+    if OFFSET_Q8_0:  # AVX2's kernels on a VNNI machine's packing (the tests run both): q again
+        values = [builder.xor(v, ir.Constant(v_bytes, [-128] * (4 * lanes))) for v in values]
     magnitudes = [call(builder, "llvm.abs.v32i8", _v32i8, [v, ir.Constant(_i1, 0)]) for v in values]
-    return magnitudes + values, d_w, None
+    return magnitudes + values, d_w
 
 
 def _m_scales(builder: ir.IRBuilder, load: Any, j: ir.Value, lanes: int) -> ir.Value:
@@ -264,19 +291,19 @@ def _m_scales(builder: ir.IRBuilder, load: Any, j: ir.Value, lanes: int) -> ir.V
 
 
 def _row_block(builder: ir.IRBuilder, isa: str, q4: bool, weights: list[ir.Value], d_w: ir.Value,
-               corrections: ir.Value | None, xptr: ir.Value, d_x: ir.Value, acc: ir.Value) -> ir.Value:
+               x_offset: ir.Value | None, xptr: ir.Value, d_x: ir.Value, acc: ir.Value) -> ir.Value:
     """acc after one activation row's block (its 32 int8 values at xptr, scale d_x) meets weight block
     `weights` of 8 rows: piece u of the activations (values 4u..4u+3) is broadcast to every lane and meets
     weight vector u, so eight unsigned x signed dot instructions leave each row's exact integer sum in its
-    lane; one conversion and one fma add d_w * d_x times it to acc."""
+    lane; one conversion and one fma add d_w * d_x times it to acc. x_offset (offset Q8_0 only): -128 * sum(q_x),
+    a float32 added after the conversion (both integers below 2 ** 24 in magnitude: exact, the block's integer
+    sum as AVX2's form gives it, and the same bits after)."""
     lanes = d_w.type.count
     pieces = [builder.bitcast(splat(builder, _load(builder, xptr, ir.Constant(_i64, 4 * u), _i32), lanes),
                               ir.VectorType(_i8, 4 * lanes))
               for u in range(8)]
-    if q4:
+    if q4 or _offset_q8_0(isa):  # offset Q8_0: (q_w + 128) * q_x, corrected below
         pairs = list(zip(weights, pieces))
-    elif _offset_q8_0(isa):  # (q_x + 128) * q_w, corrected below
-        pairs = list(zip(pieces, weights))
     else:
         pairs = [(weights[u], call(builder, "llvm.x86.avx2.psign.b", _v32i8, [pieces[u], weights[8 + u]]))
                  for u in range(8)]
@@ -292,9 +319,10 @@ def _row_block(builder: ir.IRBuilder, isa: str, q4: bool, weights: list[ir.Value
         sums = None
         for u, s in pairs:
             sums = _unsigned_signed_dot(builder, isa, u, s, sums)
-    if corrections is not None:
-        sums = builder.sub(sums, corrections)
-    return fma(builder, builder.sitofp(sums, d_w.type), builder.fmul(d_w, splat(builder, d_x, lanes)), acc)
+    products = builder.sitofp(sums, d_w.type)
+    if x_offset is not None:  # a float add that reads its operand broadcast from memory: no register a row
+        products = builder.fadd(products, splat(builder, x_offset, lanes))
+    return fma(builder, products, builder.fmul(d_w, splat(builder, d_x, lanes)), acc)
 
 
 def _block_loop(builder: ir.IRBuilder, n_blocks: ir.Value, n_acc: int, lanes: int, body: Any) -> list[ir.Value]:
@@ -395,10 +423,16 @@ def _make_rows_dot(n_x: int, isa: str, lanes: int = LANES) -> Any:
         wptr, row_bytes, n_blocks, xrows, firsts, d, s = (op.wptr, op.row_bytes, op.n_blocks, op.xrows, op.firsts,
                                                            op.xd, op.xs)
 
+        def x_offset(r: int, j: ir.Value) -> ir.Value | None:
+            """-128 * sum(q_x) of row r's block j, for offset Q8_0 (xs holds the corrections), else None."""
+            if q4 or not _offset_q8_0(isa):
+                return None
+            return builder.load(builder.gep(s.data, [builder.add(firsts[r], j)]))
+
         def dots(j: ir.Value, accs: list[ir.Value]) -> list[ir.Value]:
             _prefetch_next_group(builder, q4, wptr, row_bytes, j, lanes)
-            weights, d_w, corrections = _weight_block(builder, isa, q4, load, j, lanes)
-            return [_row_block(builder, isa, q4, weights, d_w, corrections,
+            weights, d_w = _weight_block(builder, isa, q4, load, j, lanes)
+            return [_row_block(builder, isa, q4, weights, d_w, x_offset(r, j),
                                builder.gep(xrows[r], [builder.mul(j, ir.Constant(_i64, QK))]),
                                builder.load(builder.gep(d.data, [builder.add(firsts[r], j)])), accs[r])
                     for r in range(n_x)]
@@ -464,14 +498,9 @@ def _pack_rows(qtype, data, packed, n_blocks):
                 put_f16(src, o + 2, dst, base + 16, lane)  # m
                 put_nibble_bytes(src, o + 4, dst, base + 32, lane)
             else:
-                total = 0
+                flip = np.uint8(128 if OFFSET_Q8_0 else 0)  # q + 128 as an unsigned byte: its top bit flipped
                 for j in range(32):
-                    value = src[o + 2 + j]
-                    dst[base + 48 + 32 * (j // 4) + 4 * lane + j % 4] = value
-                    total += np.int32(value) - 256 if value >= 128 else np.int32(value)
-                correction = np.uint32(np.int32(128 * total))  # int32 little-endian, bytes 16 + 4 * lane
-                for k in range(4):
-                    dst[base + 16 + 4 * lane + k] = np.uint8((correction >> np.uint32(8 * k)) & np.uint32(255))
+                    dst[base + Q8_0_VALUES + 32 * (j // 4) + 4 * lane + j % 4] = src[o + 2 + j] ^ flip
 
 
 def kernel_qtype(qtype: int) -> int:
@@ -496,8 +525,8 @@ def pack_weight(qtype: int, data: np.ndarray) -> np.ndarray:
     """A Q4_0, Q4_1 or Q8_0 weight's rows (raw GGUF bytes, (N, row_bytes) uint8) rearranged for the row dots,
     once at load: (ceil(N / 8), blocks * group bytes), row g holding weight rows 8g..8g+7 block by block. A block
     of the 8 rows is, for Q4_1, [8 f16 d][8 f16 m][4 x 32 bytes: vector t, lane i = bytes 4t..4t+3 of row i's
-    nibbles], for Q8_0 [8 f16 d][8 int32 128 * sum(q)][8 x 32 bytes: vector u, lane i = values 4u..4u+3 of
-    row i]; the lanes past the last row are zero. Same size (plus Q8_0's corrections). Q4_0 is packed as the
+    nibbles], for Q8_0 [8 f16 d][8 x 32 bytes: vector u, lane i = values 4u..4u+3 of row i, as q + 128 where
+    `OFFSET_Q8_0`]; the lanes past the last row are zero bytes. Same size. Q4_0 is packed as the
     Q4_1 weight it equals (`kernel_qtype`), 2 bytes a block larger."""
     if qtype == Q4_0:
         qtype, data = Q4_1, with_m(data, 18, 8)
@@ -513,16 +542,19 @@ def pack_weight(qtype: int, data: np.ndarray) -> np.ndarray:
 
 
 @intrinsic
-def _quantize_block(typingctx, x, xq, xd, xs, row, block, flip):
-    """Block `block` (32 values) of row `row` of x into xq / xd / xs as `quantize_rows` describes, on 256-bit
+def _quantize_block(typingctx, x, xq, xd, xs, xh, xc, row, block):
+    """Block `block` (32 values) of row `row` of x into xq / xd / xs as `quantize_rows` describes, the sums of its
+    two 16-value halves into xh[row, 2 * block : 2 * block + 2] where xh has columns (`XS_HALVES`), and -128 *
+    sum(q) into xc[row, block] where xc has columns (`XS_CORRECTIONS`), on 256-bit
     vectors: max |x| and the non-finite test, 32 multiplies and rounds (vroundps), the int32 sum, and one
     store of the 32 bytes. Numba's scalar version of the same took 2-3x longer (np.rint stays a scalar call
     there), which at batch 8 was ~8 us of every matmul spent on one thread."""
-    sig = types.void(x, xq, xd, xs, row, block, flip)
+    sig = types.void(x, xq, xd, xs, xh, xc, row, block)
 
     def codegen(context, builder, signature, args):
-        xa, qa, da, sa = (context.make_array(t)(context, builder, a) for t, a in zip(signature.args[:4], args[:4]))
-        row, blk, flip = args[4], args[5], args[6]
+        xa, qa, da, sa, ha, ca = (context.make_array(t)(context, builder, a)
+                                  for t, a in zip(signature.args[:6], args[:6]))
+        row, blk = args[6], args[7]
         first = builder.add(builder.mul(row, builder.extract_value(xa.shape, 1)),
                             builder.mul(blk, ir.Constant(_i64, QK)))
         values = [_load(builder, builder.bitcast(xa.data, _i8.as_pointer()),
@@ -543,38 +575,47 @@ def _quantize_block(typingctx, x, xq, xd, xs, row, block, flip):
         inv_v = splat(builder, inv, 8)
         quants = [builder.fptosi(call(builder, "llvm.rint.v8f32", _v8f32, [builder.fmul(v, inv_v)]), _v8i32)
                   for v in values]
-        total = _lanes_reduced(builder, builder.add(builder.add(quants[0], quants[1]),
-                                                    builder.add(quants[2], quants[3])), builder.add)
+        half_totals = [_lanes_reduced(builder, builder.add(quants[2 * h], quants[2 * h + 1]), builder.add)
+                       for h in (0, 1)]
+        total = builder.add(half_totals[0], half_totals[1])
         small = [builder.trunc(q, ir.VectorType(_i8, 8)) for q in quants]
         halves = [builder.shuffle_vector(small[2 * h], small[2 * h + 1], ir.Constant(ir.VectorType(_i32, 16),
                                                                                      list(range(16))))
                   for h in range(2)]
         joined = builder.shuffle_vector(halves[0], halves[1], ir.Constant(ir.VectorType(_i32, 32), list(range(32))))
-        flipped = builder.xor(joined, splat(builder, builder.trunc(flip, _i8), 32))
         qfirst = builder.add(builder.mul(row, builder.extract_value(qa.shape, 1)),
                              builder.mul(blk, ir.Constant(_i64, QK)))
         qptr = builder.gep(builder.bitcast(qa.data, _i8.as_pointer()), [qfirst])
-        builder.store(flipped, builder.bitcast(qptr, _v32i8.as_pointer()), align=1)
+        builder.store(joined, builder.bitcast(qptr, _v32i8.as_pointer()), align=1)
         at = builder.add(builder.mul(row, builder.extract_value(da.shape, 1)), blk)
         builder.store(d, builder.gep(da.data, [at]))
         builder.store(builder.fmul(d, builder.sitofp(total, _f32)), builder.gep(sa.data, [at]))
+        wants_halves = builder.icmp_signed("!=", builder.extract_value(ha.shape, 1), ir.Constant(_i64, 0))
+        with builder.if_then(wants_halves):
+            for h in (0, 1):
+                builder.store(builder.sitofp(half_totals[h], _f32),
+                              builder.gep(ha.data, [builder.add(builder.mul(at, ir.Constant(_i64, 2)),
+                                                                ir.Constant(_i64, h))]))
+        wants_corrections = builder.icmp_signed("!=", builder.extract_value(ca.shape, 1), ir.Constant(_i64, 0))
+        with builder.if_then(wants_corrections):  # exact: at most 128 * 32 * 127 in magnitude
+            builder.store(builder.sitofp(builder.mul(total, ir.Constant(_i32, -128)), _f32), builder.gep(ca.data, [at]))
         return context.get_dummy_value()
 
     return sig, codegen
 
 
 @numba.njit(parallel=True, **_KERNEL)
-def _quantize_rows_parallel(x, xq, xd, xs, flip):
+def _quantize_rows_parallel(x, xq, xd, xs, xh, xc):
     for b in numba.prange(x.shape[0]):
         for i in range(x.shape[1] // QK):
-            _quantize_block(x, xq, xd, xs, b, i, flip)
+            _quantize_block(x, xq, xd, xs, xh, xc, b, i)
 
 
 @numba.njit(**_KERNEL)
-def _quantize_rows_serial(x, xq, xd, xs, flip):
+def _quantize_rows_serial(x, xq, xd, xs, xh, xc):
     for b in range(x.shape[0]):
         for i in range(x.shape[1] // QK):
-            _quantize_block(x, xq, xd, xs, b, i, flip)
+            _quantize_block(x, xq, xd, xs, xh, xc, b, i)
 
 
 # Below this many values a decode batch is quantized on the calling thread: waking the pool costs more
@@ -583,28 +624,39 @@ _PARALLEL_QUANTIZE_MIN = 1 << 15
 
 
 @numba.njit(**_KERNEL)
-def _quantize(x, flip):
+def _quantize(x, kind):
+    """(xq, xd, xs) of x for kernels that read `kind` in the xs slot (`quantize_rows`)."""
     batch, k_dim = x.shape
     xq = np.empty((batch, k_dim), dtype=np.int8)
     xd = np.empty((batch, k_dim // QK), dtype=np.float32)
     xs = np.empty((batch, k_dim // QK), dtype=np.float32)
+    xh = np.empty((batch, k_dim // 16 if kind == XS_HALVES else 0), dtype=np.float32)
+    xc = np.empty((batch, k_dim // QK if kind == XS_CORRECTIONS else 0), dtype=np.float32)
     if x.size >= _PARALLEL_QUANTIZE_MIN:
-        _quantize_rows_parallel(x, xq, xd, xs, flip)
+        _quantize_rows_parallel(x, xq, xd, xs, xh, xc)
     else:
-        _quantize_rows_serial(x, xq, xd, xs, flip)
+        _quantize_rows_serial(x, xq, xd, xs, xh, xc)
+    if kind == XS_HALVES:
+        return xq, xd, xh
+    if kind == XS_CORRECTIONS:
+        return xq, xd, xc
     return xq, xd, xs
 
 
-def _flip(qtype: int, isa: str | None) -> np.int32:
-    """The xor that `_quantize_block` applies to each byte: -128 makes it q + 128 (offset Q8_0), 0 leaves q."""
-    return np.int32(-128 if qtype == Q8_0 and _offset_q8_0(isa) else 0)
+@numba.njit(inline="always", **_KERNEL)
+def xs_kind(qtype, offset_q8_0):
+    """What this module's kernels of kernel type `qtype` read in the xs slot (`XS_SCALED` ..): offset Q8_0's
+    (`offset_q8_0`: `_offset_q8_0` of the instruction set) the corrections. `int8k.xs_kind` says it for every
+    type."""
+    return XS_CORRECTIONS if offset_q8_0 and qtype == Q8_0 else XS_SCALED
 
 
-def quantize_rows(x: np.ndarray, offset: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """x float32 (B, K), K a multiple of 32 -> the operands of the row dots: q int8 (B, K), d float32 (B, K / 32)
-    and d * sum(q) float32 (B, K / 32), per block of 32 values. offset: the bytes hold q + 128 (as uint8)
-    instead of q (Q8_0's operand on VNNI)."""
-    return _quantize(x, np.int32(-128 if offset else 0))
+def quantize_rows(x: np.ndarray, kind: int = XS_SCALED) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """x float32 (B, K), K a multiple of 32 -> the operands of the row dots, per block of 32 values: q int8
+    (B, K), d float32 (B, K / 32), and what the kernels read in the xs slot (`kind`): d * sum(q) float32
+    (B, K / 32) (`XS_SCALED`), the sums of each block's two 16-value halves of q float32 (B, K / 16)
+    (`XS_HALVES`), or -128 * sum(q) float32 (B, K / 32) (`XS_CORRECTIONS`); the sums exact."""
+    return _quantize(x, np.int64(kind))
 
 
 # --- matmul ----------------------------------------------------------------------------------------------
@@ -696,8 +748,8 @@ def gemm_chunks(gemm, qtype, packed, xq, xd, xs, out, n_chunks):
 
 
 @numba.njit(**_KERNEL)
-def _matmul(gemm, qtype, packed, x, out, flip, n_chunks):
-    xq, xd, xs = _quantize(x, flip)
+def _matmul(gemm, qtype, packed, x, out, n_chunks):
+    xq, xd, xs = _quantize(x, xs_kind(qtype, OFFSET_Q8_0))
     gemm_chunks(gemm, qtype, packed, xq, xd, xs, out, n_chunks)
 
 
@@ -708,7 +760,7 @@ def matmul(qtype: int, packed: np.ndarray, x: np.ndarray, out: np.ndarray, threa
     (numba.get_num_threads costs 0.75 us, ~0.1 ms of a decode step's 120 matmuls)."""
     n_chunks = 4 * (threads or numba.get_num_threads())
     qtype = kernel_qtype(qtype)
-    _matmul(gemm_address(), qtype, packed, x, out, _flip(qtype, INT8_ISA), n_chunks)
+    _matmul(gemm_address(), qtype, packed, x, out, n_chunks)
 
 
 def serial_gemm(dot: Any) -> Any:
@@ -733,4 +785,4 @@ def _serial_gemm(isa: str) -> Any:
 def matmul_with_isa(isa: str, qtype: int, packed: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
     """`matmul` on the kernels of `isa` ("vnni" or "avx2"; the CPU must have it), serially; for tests."""
     qtype = kernel_qtype(qtype)
-    _serial_gemm(isa)(qtype, packed, *_quantize(x, _flip(qtype, isa)), out)
+    _serial_gemm(isa)(qtype, packed, *_quantize(x, xs_kind(qtype, _offset_q8_0(isa))), out)

@@ -322,7 +322,7 @@ def _make_rows_dot(n_x: int, isa: str, lanes: int = LANES) -> Any:
             return splat(builder, builder.load(builder.gep(scales.data, [builder.add(firsts[r], j)])), lanes)
 
         def half_x_sum(r: int, j: ir.Value, h: int) -> ir.Value:
-            """i32: the sum of half h of activation row r's block j (`_half_sums`, in xs on the unsigned path)."""
+            """i32: the sum of half h of activation row r's block j (`int8dot.XS_HALVES`: in xs, unsigned path)."""
             index = builder.add(builder.mul(builder.add(firsts[r], j), ir.Constant(_i64, 2)), ir.Constant(_i64, h))
             return builder.fptosi(builder.load(builder.gep(s.data, [index])), _i32)
 
@@ -706,38 +706,22 @@ def gemm_address() -> int:
     return gemm_call.compile_gemm(_any_groups_c)
 
 
-@numba.njit(**_KERNEL)
-def _half_sums(xq):
-    """float32 (batch, 2 * blocks): the sum of each 16-value half of each activation block's int8 values (exact:
-    at most 16 * 128 in magnitude)."""
-    batch, k_dim = xq.shape
-    sums = np.empty((batch, k_dim // 16), dtype=np.float32)
-    for b in range(batch):
-        for h in range(k_dim // 16):
-            total = 0
-            for i in range(16 * h, 16 * h + 16):
-                total += np.int32(xq[b, i])
-            sums[b, h] = total
-    return sums
-
-
 @numba.njit(inline="always", **_KERNEL)
-def reads_half_sums(qtype, unsigned):
-    """Whether the kernels of kernel type `qtype` take the halves' sums of the activations (`_half_sums`) in place
-    of xs, which they do not use: those of Q6_K and IQ4 where the weights are the unsigned operand (`unsigned`:
-    `_unsigned_weights` of the instruction set, `_UNSIGNED` for this CPU's). The one place that says which types
-    those are: the matmuls (`_activations`) and the decode step (`decode_layers`) both ask here."""
-    return unsigned and (qtype == Q6_K or qtype == IQ4_NL or qtype == IQ4_XS)
+def xs_kind(qtype, unsigned):
+    """What the kernels of kernel type `qtype` read in the xs slot of the quantized activations
+    (`int8dot.XS_SCALED` ..): the halves' sums for Q6_K and IQ4 where the weights are the unsigned operand
+    (`unsigned`: `_unsigned_weights` of the instruction set, `_UNSIGNED` for this CPU's), int8dot's choice for
+    its types (offset Q8_0's corrections; `_offset_q8_0` is the same test). The one place that says it for every
+    type: the matmuls (`_activations`) and the decode step (`decode_layers`) both ask here."""
+    if unsigned and (qtype == Q6_K or qtype == IQ4_NL or qtype == IQ4_XS):
+        return int8dot.XS_HALVES
+    return int8dot.xs_kind(qtype, unsigned)
 
 
 @numba.njit(**_KERNEL)
 def _activations(qtype, x, unsigned):
-    """x quantized for the kernels of `qtype`: int8dot's (xq, xd, xs), xs replaced by the halves' sums of xq
-    where those kernels read them (`reads_half_sums`)."""
-    xq, xd, xs = int8dot._quantize(x, np.int32(0))
-    if reads_half_sums(qtype, unsigned):
-        xs = _half_sums(xq)
-    return xq, xd, xs
+    """x quantized for the kernels of `qtype`: (xq, xd, xs), xs what they read there (`xs_kind`)."""
+    return int8dot._quantize(x, xs_kind(qtype, unsigned))
 
 
 @numba.njit(**_KERNEL)
