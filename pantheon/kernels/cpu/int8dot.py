@@ -34,9 +34,9 @@ Per block (the m term of Q4_1 uses the activation block's sum, precomputed by `q
     Q4_1:  d_w * d_x * sum(q_w * q_x) + m_w * (d_x * sum(q_x))       q_w in 0..15
     Q8_0:  d_w * d_x * sum(q_w * q_x)                               q_w in -128..127
 Q8_0 on VNNI takes its weights as q_w + 128 (unsigned: `pack_weight` flips their bytes' top bit) against the
-signed activations, and starts each block's integer sum from -128 * sum(q_x) (`quantize_rows`' corrections,
-which the Q8_0 kernels read in place of xs; `_offset_q8_0` says why this way round); on AVX2 the weights'
-signs move onto the activations (|q_w| * sign(q_w) q_x) instead, as vpmaddubsw would saturate on
+signed activations, and adds -128 * sum(q_x) to each block's sum once it is a float, exactly (`quantize_rows`'
+corrections, which the Q8_0 kernels read in place of xs; `_offset_q8_0` says why this way round); on AVX2 the
+weights' signs move onto the activations (|q_w| * sign(q_w) q_x) instead, as vpmaddubsw would saturate on
 (q_w + 128) * q_x.
 """
 
@@ -544,11 +544,11 @@ def pack_weight(qtype: int, data: np.ndarray) -> np.ndarray:
 @intrinsic
 def _quantize_block(typingctx, x, xq, xd, xs, xh, xc, row, block):
     """Block `block` (32 values) of row `row` of x into xq / xd / xs as `quantize_rows` describes, the sums of its
-    two 16-value halves into xh[row, 2 * block : 2 * block + 2] where xh has columns (`XS_HALVES`), and -128 *
-    sum(q) into xc[row, block] where xc has columns (`XS_CORRECTIONS`), on 256-bit
-    vectors: max |x| and the non-finite test, 32 multiplies and rounds (vroundps), the int32 sum, and one
-    store of the 32 bytes. Numba's scalar version of the same took 2-3x longer (np.rint stays a scalar call
-    there), which at batch 8 was ~8 us of every matmul spent on one thread."""
+    two 16-value halves into xh[row, 2 * block : 2 * block + 2] where xh has columns (`XS_HALVES`), and
+    -128 * sum(q) into xc[row, block] where xc has columns (`XS_CORRECTIONS`), on 256-bit vectors: max |x| and
+    the non-finite test, 32 multiplies and rounds (vroundps), the int32 sums, and one store of the 32 bytes.
+    Numba's scalar version of the same took 2-3x longer (np.rint stays a scalar call there), which at batch 8 was
+    ~8 us of every matmul spent on one thread."""
     sig = types.void(x, xq, xd, xs, xh, xc, row, block)
 
     def codegen(context, builder, signature, args):
@@ -598,7 +598,8 @@ def _quantize_block(typingctx, x, xq, xd, xs, xh, xc, row, block):
                                                                 ir.Constant(_i64, h))]))
         wants_corrections = builder.icmp_signed("!=", builder.extract_value(ca.shape, 1), ir.Constant(_i64, 0))
         with builder.if_then(wants_corrections):  # exact: at most 128 * 32 * 127 in magnitude
-            builder.store(builder.sitofp(builder.mul(total, ir.Constant(_i32, -128)), _f32), builder.gep(ca.data, [at]))
+            correction = builder.sitofp(builder.mul(total, ir.Constant(_i32, -128)), _f32)
+            builder.store(correction, builder.gep(ca.data, [at]))
         return context.get_dummy_value()
 
     return sig, codegen
