@@ -40,21 +40,13 @@ def median(values: list[float]) -> float:
 
 
 def machine() -> dict[str, Any]:
-    cpu, family = "", ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and not cpu:
-                cpu = line.split(":", 1)[1].strip()
-            elif line.startswith("cpu family") and not family:
-                family = line.split(":", 1)[1].strip()
-    except OSError:
-        pass
     # "AMD EPYC" names the Zen 3, Zen 4 and Zen 5 VMs here alike; the family (25: Zen 3 / 4, 26: Zen 5) and the
     # vector instructions tell them apart (and the latter decide which kernels run).
-    from pantheon.kernels.cpu import HOST_CPU_FEATURES
+    from pantheon.kernels.cpu import HOST_CPU_FEATURES, cpuinfo_field
     from pantheon.kernels.cpu.int8dot import INT8_ISA, INT8_WIDE
 
-    return {"cpu": cpu, "cpu_family": family, "cores_available": len(os.sched_getaffinity(0)),
+    return {"cpu": cpuinfo_field("model name"), "cpu_family": cpuinfo_field("cpu family"),
+            "cores_available": len(os.sched_getaffinity(0)),
             "python": platform.python_version(), "machine": platform.machine(),
             "avx512": "+avx512f" in HOST_CPU_FEATURES, "int8_isa": INT8_ISA, "int8_wide": INT8_WIDE}
 

@@ -8,10 +8,13 @@ OLD_FILE is imported as a module of its own (the rest of the package shared) bes
 First the kernels: each version's `_gemm_groups` (what a compiled matmul's gemm runs for a chunk of weight
 groups) on a random 1536 x 576 Q4_1 and Q8_0 matrix that stays in the caches, one thread, for each batch size,
 the two taking turns round by round: GMAC/s and the per-round ratio NEW / OLD, and whether both gave the same
-bits. Then (unless --step-rounds 0) the default model's decode step, its gemm address (`DecodePlan.gemm_address`)
-routed to one version or the other before each run of `bench.batched`'s decoder (`bench.step_ab.compare`), at
-batch 1 and 8 on 2 threads. Only changes to the gemm's module can be compared this way; the old file's kernels
-compile into the same on-disk cache under its own path.
+bits. Each version packs the matrix and quantizes the input its own way (`pack_weight`, `quantize_rows` of the
+kind its kernels read: `xs_kind`, so OLD_FILE must be of stop 60 or later). Then (unless --step-rounds 0) the
+default model's decode step, its gemm address (`DecodePlan.gemm_address`) routed to one version or the other
+before each run of `bench.batched`'s decoder (`bench.step_ab.compare`), at batch 1 and 8 on 2 threads: the model's
+weights are packed once, by the checkout, so this part runs only where both versions pack alike (checked on the
+kernels' matrices). Only changes to the gemm's module can be compared this way; the old file's kernels compile
+into the same on-disk cache under its own path.
 """
 
 from __future__ import annotations
@@ -42,31 +45,40 @@ def _looper(gemm_groups: Any) -> Any:
     return run
 
 
-def kernel_ab(old: Any, new: Any, batches: list[int], rounds: int) -> list[dict[str, Any]]:
-    """Per weight type and batch size: both modules' `_gemm_groups` on the same packed matrix and input."""
+def _operands(module: Any, gtype: int, raw: np.ndarray, x: np.ndarray) -> tuple[Any, ...]:
+    """(qtype, packed, xq, xd, xs) of a weight's GGUF rows and an input, as `module` (a version of int8dot) packs
+    and quantizes them."""
+    qtype = np.int32(module.kernel_qtype(gtype))
+    return (qtype, module.pack_weight(gtype, raw),
+            *module.quantize_rows(x, module.xs_kind(qtype, module.OFFSET_Q8_0)))
+
+
+def kernel_ab(old: Any, new: Any, batches: list[int], rounds: int) -> tuple[list[dict[str, Any]], bool]:
+    """Per weight type and batch size: both modules' `_gemm_groups` on the same matrix and input, each packed and
+    quantized by its own module. Also whether the two pack the matrices alike."""
     import gguf
 
     rng = np.random.default_rng(0)
     runs = {"old": _looper(old._gemm_groups), "new": _looper(new._gemm_groups)}
-    rows = []
+    modules = {"old": old, "new": new}
+    rows, same_packing = [], True
     for name, gtype in (("Q4_1", _Q4_1), ("Q8_0", _Q8_0)):
         raw = gguf.quants.quantize(rng.standard_normal((ROWS, COLS)).astype(np.float32),
-                                   gguf.GGMLQuantizationType(gtype))
-        packed = new.pack_weight(gtype, raw.reshape(ROWS, -1))
-        qtype = np.int32(new.kernel_qtype(gtype))
-        kind = new.xs_kind(qtype, new.OFFSET_Q8_0)
+                                   gguf.GGMLQuantizationType(gtype)).reshape(ROWS, -1)
+        same_packing &= bool(np.array_equal(old.pack_weight(gtype, raw), new.pack_weight(gtype, raw)))
         for batch in batches:
-            xq, xd, xs = new.quantize_rows(rng.standard_normal((batch, COLS)).astype(np.float32), kind)
+            x = rng.standard_normal((batch, COLS)).astype(np.float32)
+            operands = {k: _operands(modules[k], gtype, raw, x) for k in runs}
             outs = {k: np.zeros((batch, ROWS), np.float32) for k in runs}
             for k, run in runs.items():
-                run(1, qtype, packed, xq, xd, xs, outs[k])
+                run(1, *operands[k], outs[k])
             same = bool(np.array_equal(outs["old"], outs["new"]))
             reps = max(20, 1600 // batch)
             rates: dict[str, list[float]] = {k: [] for k in runs}
             for r in range(rounds):
                 for k in (("old", "new") if r % 2 == 0 else ("new", "old")):
                     start = time.perf_counter()
-                    runs[k](reps, qtype, packed, xq, xd, xs, outs[k])
+                    runs[k](reps, *operands[k], outs[k])
                     rates[k].append(reps * ROWS * COLS * batch / (time.perf_counter() - start) / 1e9)
             ratios = [b / a for a, b in zip(rates["old"], rates["new"])]
             row = {"type": name, "batch": batch, "same_bits": same, "old": statistics.median(rates["old"]),
@@ -75,7 +87,7 @@ def kernel_ab(old: Any, new: Any, batches: list[int], rounds: int) -> list[dict[
             print(f"{name} batch {batch:2d}: old {row['old']:.1f} new {row['new']:.1f} GMAC/s a thread, new / old "
                   f"per round median {row['ratio']:.3f} ({min(ratios):.3f}-{max(ratios):.3f}), same bits {same}",
                   flush=True)
-    return rows
+    return rows, same_packing
 
 
 def step_ab(old: Any, new: Any, rounds: int) -> None:
@@ -109,8 +121,11 @@ def main() -> None:
     from pantheon.kernels.cpu import int8dot
 
     old = load_copy(args.old, "int8dot_old")
-    kernel_ab(old, int8dot, [int(b) for b in args.batches.split(",")], args.rounds)
-    if args.step_rounds:
+    _, same_packing = kernel_ab(old, int8dot, [int(b) for b in args.batches.split(",")], args.rounds)
+    if args.step_rounds and not same_packing:
+        print("no decode-step A/B: the two versions pack the weights differently (compare checkouts with "
+              "bench/batch_ab.py)")
+    elif args.step_rounds:
         step_ab(old, int8dot, args.step_rounds)
 
 

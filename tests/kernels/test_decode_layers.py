@@ -361,7 +361,7 @@ def test_swiglu_fused_into_the_quantization_gives_the_bits_of_the_two_phases(n_r
             written = 0
             for part in range(parts):
                 mine = np.full_like(xd, np.nan)
-                decode_layers._swiglu_quantize_span(gate_up, ff, (xq, mine, xs, halves, corrections), part, parts)
+                decode_layers._swiglu_quantize_span(gate_up, ff, (xq, mine, (xs, halves, corrections)), part, parts)
                 assert np.isnan(xd[~np.isnan(mine)]).all()  # no block another member wrote
                 xd = np.where(np.isnan(mine), xd, mine)
                 written += int((~np.isnan(mine)).sum())

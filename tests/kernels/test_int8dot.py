@@ -245,15 +245,15 @@ def test_the_eight_row_block_loop_is_dot_instructions_in_registers(qtype: int) -
 
 def test_cpu_vendor_is_read_from_cpuinfo(tmp_path) -> None:
     """HOST_CPU_VENDOR: the first vendor_id line of /proc/cpuinfo; "" where the file is missing or has none."""
-    from pantheon.kernels.cpu import _cpu_vendor
+    from pantheon.kernels.cpu import cpuinfo_field
 
     info = tmp_path / "cpuinfo"
     info.write_text("processor\t: 0\nvendor_id\t: GenuineIntel\ncpu family\t: 6\n\nprocessor\t: 1\n"
                     "vendor_id\t: GenuineIntel\n")
-    assert _cpu_vendor(info) == "GenuineIntel"
+    assert cpuinfo_field("vendor_id", info) == "GenuineIntel"
     info.write_text("processor\t: 0\nmodel name\t: something\n")
-    assert _cpu_vendor(info) == ""
-    assert _cpu_vendor(tmp_path / "missing") == ""
+    assert cpuinfo_field("vendor_id", info) == ""
+    assert cpuinfo_field("vendor_id", tmp_path / "missing") == ""
 
 
 def test_the_one_row_kernel_prefetches_into_the_caches_its_vendor_takes() -> None:

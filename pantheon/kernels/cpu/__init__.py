@@ -26,15 +26,17 @@ numba.config.THREADING_LAYER_PRIORITY = ["omp", "tbb", "workqueue"]
 HOST_CPU_FEATURES: frozenset[str] = frozenset(llvm_binding.get_host_cpu_features().flatten().split(","))
 
 
-def _cpu_vendor(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
-    """The first `vendor_id` of /proc/cpuinfo, or "" where there is none (not Linux, or not x86)."""
+def cpuinfo_field(name: str, cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The first value of field `name` ("vendor_id", "model name", ...) in /proc/cpuinfo, or "" where there is none
+    (not Linux, or not x86)."""
     try:
         for line in cpuinfo.read_text().splitlines():
-            if line.startswith("vendor_id"):
-                return line.split(":", 1)[1].strip()
+            key, sep, value = line.partition(":")
+            if sep and key.strip() == name:
+                return value.strip()
     except OSError:
         pass
     return ""
 
 
-HOST_CPU_VENDOR: str = _cpu_vendor()
+HOST_CPU_VENDOR: str = cpuinfo_field("vendor_id")

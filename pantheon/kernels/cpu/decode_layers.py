@@ -92,10 +92,11 @@ def _layers(gemm, x, h, qtypes, rows, w_qkv, w_out, w_gate_up, w_down, ffn_norms
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
 def _quantize_blocks(x, q, row, b_lo, b_hi):
-    """`int8dot._quantize`'s blocks b_lo .. b_hi - 1 of row `row` of x into q = (xq, xd, xs, xh, xc), the halves'
+    """`int8dot._quantize`'s blocks b_lo .. b_hi - 1 of row `row` of x into q = (xq, xd, (xs, xh, xc)), the halves'
     sums and the corrections too where xh and xc have room for them (`_quantized`)."""
+    xs, xh, xc = q[2]
     for block in range(b_lo, b_hi):
-        int8dot._quantize_block(x, q[0], q[1], q[2], q[3], q[4], row, block)
+        int8dot._quantize_block(x, q[0], q[1], xs, xh, xc, row, block)
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
@@ -201,8 +202,7 @@ def _gemm_claimed(gemm, qtype, packed, q, out, col0, claims, phase, t, n_threads
     owner-first claiming alone, in another such run, 2940-3115 against 3045-3283.)"""
     k_pool, v_pool, slots, positions, kv_first, kv_end = kv
     n_groups = packed.shape[0]
-    kind = int8k.xs_kind(qtype, int8k._UNSIGNED)
-    xs = q[3] if kind == int8dot.XS_HALVES else (q[4] if kind == int8dot.XS_CORRECTIONS else q[2])
+    xs = q[2][int8k.xs_kind(qtype, int8k._UNSIGNED)]
     min_chunk = max(2, 16 // q[0].shape[0])
     # Claimed in pairs of groups: the wide kernels take two a call (int8dot.INT8_WIDE).
     n_pairs = (n_groups + 1) // 2
@@ -259,12 +259,21 @@ SUMS_D, SUMS_A, SUMS_F = range(3)
 @numba.njit(cache=True, nogil=True, error_model="numpy")
 def _quantized(n_seqs, width, sums):
     """Buffers (xq, xd, xs, xh, xc) for n_seqs rows of `width` values quantized (`_quantize_blocks`): xh the halves'
-    sums and xc the corrections, each empty where sums (a row of `DecodePlan.sums`) does not ask for it."""
+    sums and xc the corrections, each empty where sums (a row of `DecodePlan.sums`) does not ask for it. Flat: a
+    parallel region takes no tuple within a tuple (`_member_quantized` nests them inside it)."""
     qk = int8dot.QK
     return (np.empty((n_seqs, width), dtype=np.int8), np.empty((n_seqs, width // qk), dtype=np.float32),
             np.empty((n_seqs, width // qk), dtype=np.float32),
             np.empty((n_seqs, width // 16 if sums[int8dot.XS_HALVES] else 0), dtype=np.float32),
             np.empty((n_seqs, width // qk if sums[int8dot.XS_CORRECTIONS] else 0), dtype=np.float32))
+
+
+@numba.njit(cache=True, nogil=True, error_model="numpy", inline="always")
+def _member_quantized(q):
+    """q (`_quantized`) as a member takes it: (xq, xd, (xs, xh, xc)), the sums indexed by their kind
+    (`int8dot.XS_SCALED` ..), each a view without an owner (`team.unowned`)."""
+    u = team.unowned
+    return u(q[0]), u(q[1]), (u(q[2]), u(q[3]), u(q[4]))
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
@@ -427,9 +436,8 @@ def _team_step(n_threads, spin_limit, tokens, embd_qtype, embd_data, first_norm,
                      u(qtypes), u(cols), weights, u(ffn_norms), u(next_norms), eps, k_pools, v_pools,
                      u(slots), u(positions), u(cos_table), u(sin_table), scale, u(first_item), per_subgroup,
                      n_subgroups, max_splits, u(part_max), u(part_sum), u(part_acc), u(qkv), u(attn), u(o), u(gate_up),
-                     u(ff), u(d), (u(q_d[0]), u(q_d[1]), u(q_d[2]), u(q_d[3]), u(q_d[4])),
-                     (u(q_a[0]), u(q_a[1]), u(q_a[2]), u(q_a[3]), u(q_a[4])),
-                     (u(q_f[0]), u(q_f[1]), u(q_f[2]), u(q_f[3]), u(q_f[4])), out_qtype, u(out_packed), u(logits))
+                     u(ff), u(d), _member_quantized(q_d), _member_quantized(q_a), _member_quantized(q_f),
+                     out_qtype, u(out_packed), u(logits))
     return logits, sync[team.ABORT] == 0
 
 
@@ -464,7 +472,7 @@ class DecodePlan:
     k_quants: bool = False
     # int64 (3, 3): whether quantized input i (`SUMS_D` ..) carries sums of kind k (`int8dot.XS_SCALED` ..): the
     # kinds its matrices read in the xs slot (`int8k.xs_kind`; d * sum(q) always).
-    sums: np.ndarray = field(default_factory=lambda: np.eye(3, dtype=np.int64)[[0, 0, 0]])
+    sums: np.ndarray = field(default_factory=lambda: np.array([[1, 0, 0]] * 3, dtype=np.int64))
     ends: DecodeEnds | None = None  # set when the whole step, embedding to logits, runs compiled
 
     def gemm_address(self) -> int:

@@ -575,9 +575,8 @@ def _quantize_block(typingctx, x, xq, xd, xs, xh, xc, row, block):
         inv_v = splat(builder, inv, 8)
         quants = [builder.fptosi(call(builder, "llvm.rint.v8f32", _v8f32, [builder.fmul(v, inv_v)]), _v8i32)
                   for v in values]
-        half_totals = [_lanes_reduced(builder, builder.add(quants[2 * h], quants[2 * h + 1]), builder.add)
-                       for h in (0, 1)]
-        total = builder.add(half_totals[0], half_totals[1])
+        pairs = [builder.add(quants[2 * h], quants[2 * h + 1]) for h in (0, 1)]  # values 0..15, 16..31
+        total = _lanes_reduced(builder, builder.add(pairs[0], pairs[1]), builder.add)
         small = [builder.trunc(q, ir.VectorType(_i8, 8)) for q in quants]
         halves = [builder.shuffle_vector(small[2 * h], small[2 * h + 1], ir.Constant(ir.VectorType(_i32, 16),
                                                                                      list(range(16))))
@@ -593,7 +592,7 @@ def _quantize_block(typingctx, x, xq, xd, xs, xh, xc, row, block):
         wants_halves = builder.icmp_signed("!=", builder.extract_value(ha.shape, 1), ir.Constant(_i64, 0))
         with builder.if_then(wants_halves):
             for h in (0, 1):
-                builder.store(builder.sitofp(half_totals[h], _f32),
+                builder.store(builder.sitofp(_lanes_reduced(builder, pairs[h], builder.add), _f32),
                               builder.gep(ha.data, [builder.add(builder.mul(at, ir.Constant(_i64, 2)),
                                                                 ir.Constant(_i64, h))]))
         wants_corrections = builder.icmp_signed("!=", builder.extract_value(ca.shape, 1), ir.Constant(_i64, 0))
@@ -637,11 +636,7 @@ def _quantize(x, kind):
         _quantize_rows_parallel(x, xq, xd, xs, xh, xc)
     else:
         _quantize_rows_serial(x, xq, xd, xs, xh, xc)
-    if kind == XS_HALVES:
-        return xq, xd, xh
-    if kind == XS_CORRECTIONS:
-        return xq, xd, xc
-    return xq, xd, xs
+    return xq, xd, (xs, xh, xc)[kind]
 
 
 @numba.njit(inline="always", **_KERNEL)
