@@ -210,7 +210,8 @@ def test_the_eight_row_block_loop_is_dot_instructions_in_registers(qtype: int) -
     (VNNI's vpdpbusd, 8 a row and block; AVX2's vpmaddubsw / vpmaddwd), and on AVX-512 VNNI it keeps its vectors
     in the 32 registers: no vector load or store of the stack (two chains of four dot products a row spilled
     there, 14 accesses a block at 16 lanes; and Q8_0's, on the Xeon VM, when its activations were the unsigned
-    operand: `int8dot._offset_q8_0`)."""
+    operand: `int8dot._offset_q8_0`). At 16 lanes Q4_1's high nibbles come from a 32-bit shift and a mask, not
+    `vgf2p8affineqb` (`int8dot._high_nibbles`)."""
     import numba
 
     # `_gemm_groups` with the weight type a constant (numba freezes a closure's variables), compiled here
@@ -241,6 +242,9 @@ def test_the_eight_row_block_loop_is_dot_instructions_in_registers(qtype: int) -
         assert most == 64, most
         spills = [ins for ins in inner if ins.startswith("v") and "(%rsp)" in ins]  # vector registers only
         assert not spills, f"the block loop spills vector registers to the stack: {spills}"
+    if wide and kernel_qtype == int8dot.Q4_1:  # high nibbles by a 32-bit shift, off the dot products' pipes
+        assert not [ins for ins in inner if "vgf2p8affineqb" in ins]
+        assert sum("vpsrld" in ins for ins in inner) == 4
 
 
 def test_cpu_vendor_is_read_from_cpuinfo(tmp_path) -> None:

@@ -257,6 +257,28 @@ def _group_loader(builder: ir.IRBuilder, wptr: ir.Value, row_bytes: ir.Value, la
     return load
 
 
+def _high_nibbles(builder: ir.IRBuilder, v: ir.Value) -> ir.Value:
+    """The high nibble of each byte of v (<n x i8>), as a byte 0..15.
+
+    On 256-bit vectors a byte shift (LLVM emits `vgf2p8affineqb` where the CPU has GFNI). On 512-bit ones a 32-bit
+    shift and a mask (`vpsrld`, `vpandq`): there the batch-8 Q4_1 loop is bound by the 512-bit operations that only
+    two of Zen 4's four vector pipes run (`vpdpbusd`, the float multiplies and, as it measures, `vgf2p8affineqb`),
+    and a shift and a mask go to the others: 92 of those a block (16 weight rows, 8 activation rows), 88 now. On the
+    2-core Zen 4 VM (2026-12-07), the 1536 x 576 Q4_1 matmul in cache on one thread, the two forms in turns
+    (`bench/gemm_ab.py`, four runs of 5-21 rounds): batch 8 x1.038, x1.025, x1.007, x1.018 per round (151.4 -> 157.2
+    GMAC/s in the first), batch 16 x1.036, x1.025, x1.017; the same at 8 lanes made batch 1 x0.885, so 256-bit
+    vectors keep the byte shift. The batch-8 decode step (its Q4_1 matmuls most of it) moved within the host's
+    noise (in-process in turns x1.043 and x0.975; `bench/batch_ab.py --pairs 4 --rounds 4` medians 962 -> 997
+    tok/s). int8k's 4-bit and 5-bit unpacking in this form measured no gain (batch 8 and 16, 1536 x 1024 in cache:
+    Q4_K 0.99, Q5_K and Q5_1 1.00, Q6_K 0.96) and keeps the byte shift."""
+    n = v.type.count
+    if n <= 4 * LANES:
+        return builder.lshr(v, ir.Constant(v.type, [4] * n))
+    words = ir.VectorType(_i32, n // 4)
+    shifted = builder.bitcast(builder.lshr(builder.bitcast(v, words), ir.Constant(words, [4] * (n // 4))), v.type)
+    return builder.and_(shifted, ir.Constant(v.type, [15] * n))
+
+
 def _weight_block(builder: ir.IRBuilder, isa: str, q4: bool, load: Any, j: ir.Value, lanes: int
                   ) -> tuple[list[ir.Value], ir.Value]:
     """The weight side of block j of a packed group of 8 rows (16 lanes: of two groups, `_group_loader`): the
@@ -273,8 +295,7 @@ def _weight_block(builder: ir.IRBuilder, isa: str, q4: bool, load: Any, j: ir.Va
     if q4:
         packed = [at(32 + 32 * t, _v32i8) for t in range(4)]
         low = [builder.and_(v, ir.Constant(v_bytes, [15] * (4 * lanes))) for v in packed]
-        high = [builder.lshr(v, ir.Constant(v_bytes, [4] * (4 * lanes))) for v in packed]
-        return low + high, d_w
+        return low + [_high_nibbles(builder, v) for v in packed], d_w
     values = [at(Q8_0_VALUES + 32 * u, _v32i8) for u in range(8)]
     if _offset_q8_0(isa):
         return values, d_w
