@@ -258,8 +258,8 @@ def _group_loader(builder: ir.IRBuilder, wptr: ir.Value, row_bytes: ir.Value, la
     return load
 
 
-def _high_nibbles(builder: ir.IRBuilder, v: ir.Value) -> ir.Value:
-    """The high nibble of each byte of v (<n x i8>), as a byte 0..15.
+def _high_nibbles(builder: ir.IRBuilder, v: ir.Value, lanes: int) -> ir.Value:
+    """The high nibble of each byte of v (the 4 * lanes bytes of a weight vector), as a byte 0..15.
 
     On 256-bit vectors a byte shift (LLVM emits `vgf2p8affineqb` where the CPU has GFNI). On 512-bit ones a 32-bit
     shift and a mask (`vpsrld`, `vpandq`): there the batch-8 Q4_1 loop is bound by the 512-bit operations that only
@@ -272,12 +272,11 @@ def _high_nibbles(builder: ir.IRBuilder, v: ir.Value) -> ir.Value:
     noise (in-process in turns x1.043 and x0.975; `bench/batch_ab.py --pairs 4 --rounds 4` medians 962 -> 997
     tok/s). int8k's 4-bit and 5-bit unpacking in this form measured no gain (batch 8 and 16, 1536 x 1024 in cache:
     Q4_K 0.99, Q5_K and Q5_1 1.00, Q6_K 0.96) and keeps the byte shift."""
-    n = v.type.count
-    if n <= 4 * LANES:
-        return builder.lshr(v, ir.Constant(v.type, [4] * n))
-    words = ir.VectorType(_i32, n // 4)
-    shifted = builder.bitcast(builder.lshr(builder.bitcast(v, words), ir.Constant(words, [4] * (n // 4))), v.type)
-    return builder.and_(shifted, ir.Constant(v.type, [15] * n))
+    if lanes == LANES:
+        return builder.lshr(v, ir.Constant(v.type, [4] * (4 * lanes)))
+    words = ir.VectorType(_i32, lanes)  # lane = 4 bytes of one weight row
+    shifted = builder.bitcast(builder.lshr(builder.bitcast(v, words), ir.Constant(words, [4] * lanes)), v.type)
+    return builder.and_(shifted, ir.Constant(v.type, [15] * (4 * lanes)))
 
 
 def _weight_block(builder: ir.IRBuilder, isa: str, q4: bool, load: Any, j: ir.Value, lanes: int
@@ -296,7 +295,7 @@ def _weight_block(builder: ir.IRBuilder, isa: str, q4: bool, load: Any, j: ir.Va
     if q4:
         packed = [at(32 + 32 * t, _v32i8) for t in range(4)]
         low = [builder.and_(v, ir.Constant(v_bytes, [15] * (4 * lanes))) for v in packed]
-        return low + [_high_nibbles(builder, v) for v in packed], d_w
+        return low + [_high_nibbles(builder, v, lanes) for v in packed], d_w
     values = [at(Q8_0_VALUES + 32 * u, _v32i8) for u in range(8)]
     if _offset_q8_0(isa):
         return values, d_w
