@@ -45,12 +45,11 @@ def _looper(gemm_groups: Any) -> Any:
     return run
 
 
-def _operands(module: Any, gtype: int, raw: np.ndarray, x: np.ndarray) -> tuple[Any, ...]:
-    """(qtype, packed, xq, xd, xs) of a weight's GGUF rows and an input, as `module` (a version of int8dot) packs
-    and quantizes them."""
+def _operands(module: Any, gtype: int, packed: np.ndarray, x: np.ndarray) -> tuple[Any, ...]:
+    """(qtype, packed, xq, xd, xs): a weight `module` (a version of int8dot) packed and an input it quantizes
+    for it."""
     qtype = np.int32(module.kernel_qtype(gtype))
-    return (qtype, module.pack_weight(gtype, raw),
-            *module.quantize_rows(x, module.xs_kind(qtype, module.OFFSET_Q8_0)))
+    return (qtype, packed, *module.quantize_rows(x, module.xs_kind(qtype, module.OFFSET_Q8_0)))
 
 
 def kernel_ab(old: Any, new: Any, batches: list[int], rounds: int) -> tuple[list[dict[str, Any]], bool]:
@@ -65,10 +64,11 @@ def kernel_ab(old: Any, new: Any, batches: list[int], rounds: int) -> tuple[list
     for name, gtype in (("Q4_1", _Q4_1), ("Q8_0", _Q8_0)):
         raw = gguf.quants.quantize(rng.standard_normal((ROWS, COLS)).astype(np.float32),
                                    gguf.GGMLQuantizationType(gtype)).reshape(ROWS, -1)
-        same_packing &= bool(np.array_equal(old.pack_weight(gtype, raw), new.pack_weight(gtype, raw)))
+        packed = {k: modules[k].pack_weight(gtype, raw) for k in runs}
+        same_packing &= bool(np.array_equal(packed["old"], packed["new"]))
         for batch in batches:
             x = rng.standard_normal((batch, COLS)).astype(np.float32)
-            operands = {k: _operands(modules[k], gtype, raw, x) for k in runs}
+            operands = {k: _operands(modules[k], gtype, packed[k], x) for k in runs}
             outs = {k: np.zeros((batch, ROWS), np.float32) for k in runs}
             for k, run in runs.items():
                 run(1, *operands[k], outs[k])

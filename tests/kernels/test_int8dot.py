@@ -248,7 +248,8 @@ def test_the_eight_row_block_loop_is_dot_instructions_in_registers(qtype: int) -
 
 
 def test_cpu_vendor_is_read_from_cpuinfo(tmp_path) -> None:
-    """HOST_CPU_VENDOR: the first vendor_id line of /proc/cpuinfo; "" where the file is missing or has none."""
+    """`cpuinfo_field` (HOST_CPU_VENDOR, bench.common.machine): a field's first value in /proc/cpuinfo, names with a
+    space too; "" where the file is missing or has none."""
     from pantheon.kernels.cpu import cpuinfo_field
 
     info = tmp_path / "cpuinfo"
@@ -257,6 +258,7 @@ def test_cpu_vendor_is_read_from_cpuinfo(tmp_path) -> None:
     assert cpuinfo_field("vendor_id", info) == "GenuineIntel"
     info.write_text("processor\t: 0\nmodel name\t: something\n")
     assert cpuinfo_field("vendor_id", info) == ""
+    assert cpuinfo_field("model name", info) == "something"
     assert cpuinfo_field("vendor_id", tmp_path / "missing") == ""
 
 
