@@ -634,13 +634,17 @@ def test_estimate_arithmetic(server: ServerProcess) -> None:
     assert e["cold_reprefill_s"] == pytest.approx(100 / e["prefill_tok_per_s"], rel=1e-3, abs=1e-3)
     e = estimate(server, "tokens=1000&upload_bps=1000000").json()
     assert e["warm_restore_s"] == pytest.approx(1000 * 16384 / 1e6, abs=1e-3)
+    e = estimate(server, "tokens=1000000000000000&blob_bytes=1e15&upload_bps=1").json()  # every bound at once
+    assert e["warm_restore_s"] == 1e15 and e["blob_bytes_est"] == 10**15
 
     r = estimate(server, "tokens=10&name=no-such-model")
     assert r.status_code == 200, r.text
     assert r.json()["model"] == ""
     for query in ("", "tokens=0", "tokens=-3", "name=" + MODEL, "tokens=abc", "tokens=99999999999999999999999",
                   "tokens=100&blob_bytes=1e300", "tokens=100&blob_bytes=inf", "tokens=100&upload_bps=nan",
-                  "tokens=100&upload_bps=inf", "tokens=1_000", "tokens=%2B7", "tokens=%2010", "tokens=1.5"):
+                  "tokens=100&upload_bps=inf", "tokens=1_000", "tokens=%2B7", "tokens=%2010", "tokens=1.5",
+                  # an upload rate under a byte a second: the restore's seconds past a float (inf, JSON null)
+                  "tokens=1000000000000000&blob_bytes=1e15&upload_bps=1e-300", "tokens=100&upload_bps=0.5"):
         assert_error(estimate(server, query), 400, "invalid_request_error")
 
 

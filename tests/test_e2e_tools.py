@@ -305,6 +305,43 @@ def test_a_schema_that_cannot_be_used_is_downgraded_to_json(smollm_server: Serve
     assert isinstance(json.loads(body["choices"][0]["message"]["content"]), dict)
 
 
+def _nested(depth: int, leaf: object) -> object:
+    """A JSON schema whose one property is an object whose one property ... (depth levels) ends in leaf."""
+    node = leaf
+    for _ in range(depth):
+        node = {"type": "object", "properties": {"p": node}}
+    return node
+
+
+def test_json_nested_past_pythons_recursion_is_never_a_500(smollm_server: ServerProcess) -> None:
+    """JSON the body parser takes (it stops at 1024 levels) can still nest deeper than the schema code recurses
+    (RecursionError, once a 500): a response_format schema so deep is not usable (downgraded to the JSON
+    constraint), a tool's parameters so deep are the request's error (400), and a replayed call's arguments so
+    deep are kept as text, like any arguments that do not parse."""
+    deep_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": _nested(100, {"type": "string"})}}
+    body = chat(smollm_server, messages=[{"role": "user", "content": "Give me some data."}],
+                response_format=deep_schema, temperature=0, max_tokens=200)
+    assert body["response_format_status"] == "schema_downgraded", body
+    assert isinstance(json.loads(body["choices"][0]["message"]["content"]), dict)
+
+    # Written out by hand: the json module here would meet its own recursion limit encoding the second.
+    for parameters, choice in ((json.dumps(_nested(100, {"type": "string"})), "required"),
+                               ('{"a":' * 500 + "1" + "}" * 500, "auto")):
+        tool = '{"type": "function", "function": {"name": "f", "parameters": %s}}' % parameters
+        r = httpx.post(smollm_server.base_url + "/v1/chat/completions", timeout=300,
+                       content='{"messages": [{"role": "user", "content": "hi"}], "tools": [%s], "tool_choice": "%s", '
+                               '"max_tokens": 4}' % (tool, choice))
+        assert r.status_code == 400, (choice, r.text)
+        assert r.json()["error"]["type"] == "invalid_request_error"
+
+    replayed = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "[" * 1000 + "]" * 1000}}]}
+    body = chat(smollm_server, messages=[{"role": "user", "content": "hi"}, replayed,
+                                         {"role": "tool", "tool_call_id": "c1", "content": "ok"}],
+                temperature=0, max_tokens=4)
+    assert body["choices"][0]["finish_reason"] in ("stop", "length")
+
+
 @pytest.mark.parametrize("response_format, status", [({"type": "text"}, "applied"), ({}, "ignored_unknown_type")])
 def test_a_text_or_typeless_response_format_reports_its_status(smollm_server: ServerProcess,
                                                                response_format: dict, status: str) -> None:

@@ -38,6 +38,9 @@ def test_penalties_and_logprobs_are_clamped() -> None:
 def test_logit_bias_clamps_and_skips_non_numeric() -> None:
     r = parse(logit_bias={"5": 500, "x": 1, "7": "a", "9": -3.5})
     assert r.logit_bias == {5: 100.0, 9: -3.5}
+    # Keys Python's int() would read but that are not plain token ids: skipped as well.
+    r = parse(logit_bias={"1_0": 100, " 12 ": 100, "\uff11\uff12": 100, "+7": 100, "-1": 100, "3": 1})
+    assert r.logit_bias == {3: 1.0}
 
 
 def test_n_is_capped_to_8() -> None:

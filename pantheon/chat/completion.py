@@ -21,7 +21,7 @@ from pantheon.config import EnvKnobs
 from pantheon.engine.constraints import Controllers, ReasoningBudget
 from pantheon.engine.loader import LoadedModel
 from pantheon.engine.sampling import SampledToken, SamplingParams
-from pantheon.errors import ApiError
+from pantheon.errors import ApiError, invalid_request
 from pantheon.sched.jobs import ErrorEvent, FinishEvent, GenerationJob, TokenEvent, Usage
 from pantheon.sched.registry import ModelInstance
 
@@ -109,6 +109,10 @@ async def start_completion(instance: ModelInstance, request: ChatRequest, env: E
         prompt, plan = await trio.to_thread.run_sync(prepare)
     except PromptOverWindow as exc:
         raise _context_error(scheduler.over_window(exc.n_tokens, at_least=True), request) from None
+    except RecursionError:
+        # A tool's parameters (or another part of the request) nested deeper than the schema code's recursion
+        # goes: JSON the parser took (it stops at 1024 levels) but no schema needs; the client's error, not a 500.
+        raise invalid_request("the request nests its JSON too deeply (tool parameters, schemas)") from None
     completion = Completion(instance, request, prompt, structure=plan)
     if request.n_capped:
         completion.n_status = "capped_to_8"

@@ -172,10 +172,10 @@ def _parse_logit_bias(value: Any) -> dict[int, float]:
         raise invalid_request("'logit_bias' must be an object mapping token ids to numbers")
     bias: dict[int, float] = {}
     for key, raw in value.items():
-        try:
-            token = int(key)
-        except (TypeError, ValueError):
+        # Plain ASCII digits only: Python's int() would also read "1_0", " 12 " and full-width digits as ids.
+        if not (isinstance(key, str) and key.isascii() and key.isdigit()):
             continue  # non-numeric keys are skipped, as the spec says
+        token = int(key)
         if isinstance(raw, bool) or not isinstance(raw, (int, float)) or not math.isfinite(raw):
             continue
         bias[token] = min(100.0, max(-100.0, float(raw)))

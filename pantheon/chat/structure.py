@@ -55,6 +55,10 @@ def offered_tools(served: LoadedModel, request: ChatRequest) -> tuple[Dialect, l
     tools = parse_tools(request.tools) if request.tools else []
     if request.tool_choice == "none":
         return dialect, []
+    for tool in tools:
+        # Resolved now, while building the prompt (`completion.start_completion`), rather than when a call is first
+        # parsed: parameters nested past the resolver's recursion are then the request's error, not the stream's.
+        tool.arguments_schema  # noqa: B018 - a cached property: the point is computing it here
     return dialect, tools
 
 
@@ -166,7 +170,7 @@ def _response_format(request: ChatRequest, lltok: Any, think_mode: str
 def _valid_schema(schema: dict) -> bool:
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
-    except jsonschema.SchemaError:
+    except (jsonschema.SchemaError, RecursionError):  # nested too deeply to check is not usable either
         return False
     return True
 

@@ -111,20 +111,24 @@ def _query(scope: dict[str, Any]) -> dict[str, str]:
     return {k: v[-1] for k, v in urllib.parse.parse_qs(raw, keep_blank_values=True).items()}
 
 
-# Bound on the numbers /session/estimate takes: the estimates it returns (integers, seconds) stay finite and
-# fit JSON's 64-bit integers; no real session comes near it.
+# Bounds on the numbers /session/estimate takes: the estimates it returns (integers, seconds) stay finite and
+# fit JSON's 64-bit integers; no real session comes near them. The upload rate has a floor as well, one byte a
+# second: a blob over 1e-300 bytes a second would take longer than a float holds (JSON's null, not a number).
 _MAX_QUERY_NUMBER = 1e15
+_MIN_UPLOAD_BPS = 1.0
 
 
-def _positive_number(query: dict[str, str], key: str) -> float | None:
+def _positive_number(query: dict[str, str], key: str, low: float = 0.0) -> float | None:
+    """query[key] as a number in (0, _MAX_QUERY_NUMBER], or at least `low` when that is above 0; None when absent."""
     if key not in query:
         return None
     try:
         value = float(query[key])
     except ValueError:
         raise invalid_request(f"'{key}' must be a number") from None
-    if not 0 < value <= _MAX_QUERY_NUMBER:  # also refuses inf and nan
-        raise invalid_request(f"'{key}' must be a positive number up to {_MAX_QUERY_NUMBER:.0e}")
+    if not (0 < value <= _MAX_QUERY_NUMBER and value >= low):  # also refuses inf and nan
+        floor = f"from {low:g}" if low > 0 else "a positive number"
+        raise invalid_request(f"'{key}' must be {floor} up to {_MAX_QUERY_NUMBER:.0e}")
     return value
 
 
@@ -140,7 +144,7 @@ async def estimate(registry: Registry, scope: dict[str, Any], receive: Receive, 
     if not 0 < tokens <= _MAX_QUERY_NUMBER:  # the reply's JSON integers must fit in 64 bits
         raise invalid_request(f"'tokens' must be a positive integer up to {_MAX_QUERY_NUMBER:.0e}")
     blob_bytes = _positive_number(query, "blob_bytes")
-    upload_bps = _positive_number(query, "upload_bps") or DEFAULT_UPLOAD_BPS
+    upload_bps = _positive_number(query, "upload_bps", _MIN_UPLOAD_BPS) or DEFAULT_UPLOAD_BPS
     instance = registry.find(query.get("name")) if registry.instances else None
     if instance is not None:
         rate = instance.scheduler.prefill_tok_per_s or instance.scheduler.reprefill_estimate_fallback()

@@ -466,7 +466,7 @@ def call_parts(call: dict) -> tuple[str, Any, str]:
         return name, None, compact_json(raw)
     try:
         value = json.loads(raw) if raw.strip() else {}
-    except ValueError:
+    except (ValueError, RecursionError):  # nested past the parser's recursion: as unparseable as malformed
         return name, None, raw
     return name, value if isinstance(value, dict) else None, raw
 
