@@ -221,6 +221,11 @@ def test_capacity_counts_ids() -> None:
     assert info.value.status == 429 and info.value.error_type == "model_at_session_capacity"
     assert info.value.headers["Retry-After"] == "30"
     run_turn(t, None, [1, 2, 3], [])  # stateless turns are not sessions
+    # The message's re-prefill estimate: short ones in two significant digits, not "about 0 s".
+    for estimate, said in ((0.0234, "about 0.023 s"), (3.456, "about 3.5 s"), (240.94, "about 241 s")):
+        with pytest.raises(ApiError) as info:
+            t.check_capacity("c", estimate)
+        assert info.value.message.endswith(said), info.value.message
 
 
 def test_idle_sessions_are_reaped_after_the_ttl_unless_watched() -> None:

@@ -134,6 +134,12 @@ def _start_from(slot: SlotInfo, source: SlotInfo, prompt: list[int], usable: int
     return source.index, usable
 
 
+def _seconds(value: float) -> str:
+    """A time estimate for a message: whole seconds from 10 s up, two significant digits below (a short prompt's
+    re-prefill read "about 0 s")."""
+    return f"{value:.0f}" if value >= 10 else f"{value:.2g}"
+
+
 class SessionTable:
     def __init__(self, *, n_slots: int, max_sessions: int, conversations_per_session: int = 2,
                  idle_ttl_s: float = 12 * 3600.0, clock: Callable[[], float] = time.monotonic,
@@ -202,7 +208,7 @@ class SessionTable:
             return
         self.reap()
         if len(self.sessions) >= self.max_sessions:
-            estimate = f"; re-prefilling a dropped session costs about {reprefill_estimate_s:.0f} s" \
+            estimate = f"; re-prefilling a dropped session costs about {_seconds(reprefill_estimate_s)} s" \
                 if reprefill_estimate_s is not None else ""
             raise ApiError(429, "model_at_session_capacity",
                            f"all {self.max_sessions} session slots hold live sessions; retry later or release "
