@@ -246,6 +246,64 @@ def test_head_on_a_get_route_is_its_headers_without_the_body(smollm_server: Serv
     assert httpx.head(smollm_server.base_url + "/v1/chat/completions", timeout=30).status_code == 404
 
 
+def _exchange(port: int, request: bytes, then: bytes | None = None) -> bytes:
+    """Everything the server answers on one raw connection to `request` (and, once the answer has begun, to
+    `then` sent on the same connection), read until it closes."""
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+        sock.sendall(request)
+        answer = b""
+        if then is not None:
+            answer = sock.recv(65536)
+            sock.sendall(then)
+        while data := sock.recv(65536):
+            answer += data
+    return answer
+
+
+def _head_and_body(answer: bytes) -> tuple[str, dict[str, str], bytes]:
+    head, _, body = answer.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    return lines[0], {k.lower(): v.strip() for k, v in (line.split(":", 1) for line in lines[1:])}, body
+
+
+_WEBSOCKET = b"Connection: Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n" \
+             b"Sec-WebSocket-Version: 13\r\n"
+_H2C = b"Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\n"
+
+
+@pytest.mark.parametrize("raw,status", [
+    (b"GET /v1/models HTTP/1.1\r\nHost: x\r\n" + _WEBSOCKET + b"\r\n", 200),
+    (b"GET /nope HTTP/1.1\r\nHost: x\r\n" + _WEBSOCKET + b"\r\n", 404),
+    (b"GET /v1/models HTTP/1.1\r\nHost: x\r\n" + _H2C + b"\r\n", 200),
+    (b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00", 404),
+], ids=["websocket-upgrade", "websocket-upgrade-unknown-route", "h2c-upgrade", "http2-preface"])
+def test_the_server_speaks_http11_only(smollm_server: ServerProcess, raw: bytes, status: int) -> None:
+    """Spec: "The server speaks HTTP/1.1 over TCP." Requests asking for a websocket or HTTP/2 are answered as
+    HTTP/1.1 requests, with the headers every response carries (hypercorn upgraded h2c and the HTTP/2 preface to
+    HTTP/2, where `Connection: close` cannot be sent, and answered a websocket upgrade with a bare 500)."""
+    status_line, headers, body = _head_and_body(_exchange(smollm_server.port, raw))
+    assert status_line.startswith(f"HTTP/1.1 {status}"), status_line
+    assert headers["access-control-allow-origin"] == "*" and headers["connection"].lower() == "close"
+    assert "upgrade" not in headers
+    parsed = orjson.loads(body)
+    assert parsed["object"] == "list" if status == 200 else parsed["error"]["type"] == "not_found"
+
+
+def test_bytes_sent_during_a_stream_do_not_cut_it_off(smollm_server: ServerProcess, vocab: dict[bytes, int]
+                                                       ) -> None:
+    """A client that sends anything while its answer streams (a stray CRLF, a pipelined request) gets the whole
+    stream: h11 took those bytes as a protocol error at `Connection: close`, and hypercorn closed the connection
+    mid-body, without the last chunk or [DONE]. The extra request is not answered: the connection closes."""
+    body = orjson.dumps({**_endless(vocab, 24), "stream": True})
+    request = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               b"Content-Length: %d\r\n\r\n%b" % (len(body), body))
+    answer = _exchange(smollm_server.port, request, then=b"\r\nGET / HTTP/1.1\r\nHost: x\r\n\r\nnonsense")
+    status_line, _, rest = _head_and_body(answer)
+    assert status_line.startswith("HTTP/1.1 200"), status_line
+    assert rest.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
+    assert b'"finish_reason":"length"' in rest and rest.count(b"HTTP/1.1") == 0
+
+
 @pytest.mark.parametrize("raw,status", [
     (b"BLAH\r\n\r\n", 400),
     (b"GET / HTTP/1.1\r\n\r\n", 400),  # no Host

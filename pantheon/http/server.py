@@ -18,7 +18,7 @@ from hypercorn.trio import serve as hypercorn_serve
 from pantheon.buildinfo import compiled_backend
 from pantheon.config import EnvKnobs, ServeOptions
 from pantheon.errors import ApiError, ModelLoadError
-from pantheon.http import fastsend, protocol_errors
+from pantheon.http import fastsend, http11, protocol_errors
 from pantheon.http.app import App, ServerState
 from pantheon.metrics import standard_metrics
 from pantheon.sched.manager import ModelManager
@@ -168,6 +168,8 @@ async def serve(options: ServeOptions, *, task_status: trio.TaskStatus[list[str]
             log.info("hypercorn's TCPServer.protocol_send not found: socket writes take hypercorn's own road")
         if not protocol_errors.install():
             log.info("hypercorn's H11Protocol._send_error_response not found: its own error answers stay bare")
+        if not http11.install():
+            log.info("hypercorn's H11Protocol steps not found: it may upgrade to HTTP/2 or websockets")
         async with trio.open_nursery() as http:
             binds = await http.start(partial(hypercorn_serve, app, _hypercorn_config(options),
                                              shutdown_trigger=shutdown.wait))
