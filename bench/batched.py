@@ -80,7 +80,7 @@ class LlamaCppBatched:
     _quiet: Any = None  # the log callback, kept alive as long as llama.cpp may call it
 
     def __init__(self, llama_cpp: Any, path: Path, threads: int, max_seqs: int, n_ctx_seq: int,
-                 end_ids: list[int]) -> None:
+                 end_ids: list[int], flash_attn_type: int | None = None) -> None:
         self.lib = lib = llama_cpp
         if LlamaCppBatched._quiet is None:
             LlamaCppBatched._quiet = lib.llama_log_callback(lambda level, text, data: None)
@@ -95,19 +95,21 @@ class LlamaCppBatched:
         params.n_batch = params.n_ubatch = n_ctx_seq
         params.n_seq_max = max_seqs
         params.n_threads = params.n_threads_batch = threads
+        if flash_attn_type is not None:  # llama.cpp's LLAMA_FLASH_ATTN_TYPE_*: -1 auto (the default), 0 off, 1 on
+            params.flash_attn_type = flash_attn_type
         self.ctx = lib.llama_init_from_model(self.model, params)
         self.capacity = n_ctx_seq
         self.batch = lib.llama_batch_init(n_ctx_seq, 0, max_seqs)
         self.end_ids = end_ids
 
     @classmethod
-    def load(cls, path: Path, threads: int, max_seqs: int, n_ctx_seq: int, end_ids: list[int]
-             ) -> LlamaCppBatched | None:
+    def load(cls, path: Path, threads: int, max_seqs: int, n_ctx_seq: int, end_ids: list[int],
+             flash_attn_type: int | None = None) -> LlamaCppBatched | None:
         try:
             import llama_cpp
         except ImportError:
             return None
-        return cls(llama_cpp, path, threads, max_seqs, n_ctx_seq, end_ids)
+        return cls(llama_cpp, path, threads, max_seqs, n_ctx_seq, end_ids, flash_attn_type)
 
     def close(self) -> None:
         self.lib.llama_batch_free(self.batch)

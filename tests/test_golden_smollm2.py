@@ -4,9 +4,9 @@ Each arithmetic of the cpu backend against the implementation that computes the 
 - float path (PANTHEON_CPU_INT8=0) against transformers (exact f32 arithmetic on the same GGUF weights): at
   every prompt position cosine similarity >= 0.999 and the same argmax;
 - int8 path (the server's default where the CPU has the instructions: activations rounded to 8-bit blocks
-  before each Q4_1 / Q8_0 matmul, as llama.cpp does; the two differ in how the block scales are stored and
-  summed) against llama.cpp's logits: cosine >= 0.98 at every position
-  and a median >= 0.998; our top token one of the references' at >= 95% of positions and never more than 0.5
+  before each Q4_1 / Q8_0 matmul, their scales stored as float16, as llama.cpp's Q8_0 / Q8_1 blocks are; the two
+  differ in the order of float sums and in the attention's arithmetic) against llama.cpp's logits: cosine >= 0.98
+  at every position and a median >= 0.998; our top token one of the references' at >= 95% of positions and never more than 0.5
   below the top of llama.cpp's logits.
 Both paths: the top token of each of 32 greedy steps is transformers' and llama.cpp's (the int8 path: or within
 0.1 of ours at a near-tie, see test_32_greedy_tokens).

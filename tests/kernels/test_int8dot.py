@@ -30,13 +30,33 @@ def test_quantize_rows_matches_reference() -> None:
     x = activations(5, 96)
     x[2, 32:64] = 0.0  # an all-zero block: scale 0, values 0
     xq, xd, xs = int8dot.quantize_rows(x)
-    q, d = reference.quantize_rows_q8(x)
+    q, d, s = reference.quantize_rows_q8(x)
     assert np.array_equal(xq, q)
-    assert np.array_equal(xd, d)
+    assert np.array_equal(xd, d) and np.array_equal(xs, s)
+    # d and s as llama.cpp's Q8_1 blocks hold them: float16 values, s within a float16 rounding of d * sum(q)
+    assert np.array_equal(xd.astype(np.float16).astype(np.float32), xd)
+    assert np.array_equal(xs.astype(np.float16).astype(np.float32), xs)
     sums = q.reshape(5, 3, 32).astype(np.int64).sum(axis=2)
-    np.testing.assert_allclose(xs, d * sums, rtol=1e-6)
-    assert xd[2, 1] == 0.0 and not xq[2, 32:64].any()
+    np.testing.assert_allclose(xs, d * sums, rtol=2.0**-10)
+    assert xd[2, 1] == 0.0 and xs[2, 1] == 0.0 and not xq[2, 32:64].any()
     assert np.abs(xq.astype(np.int16)).max() == 127
+
+
+def test_scales_past_float16s_range_stay_finite() -> None:
+    """A block whose s (scale * sum(q)) or scale would overflow float16 keeps the float32 value: llama.cpp's
+    float16 makes it an infinity (and the logits NaN); s overflows at max|x| ~2000 when the block has one sign."""
+    x = activations(2, 96)
+    x[0, :32] = 5000.0  # s = 5000 / 127 * 32 * 127 = 160000
+    x[1, 32:64] = -1e7  # d = 78740 too
+    x[1, 64:96] = 1.0
+    xq, xd, xs = int8dot.quantize_rows(x)
+    q, d, s = reference.quantize_rows_q8(x)
+    assert np.array_equal(xq, q) and np.array_equal(xd, d) and np.array_equal(xs, s)
+    assert np.isfinite(xd).all() and np.isfinite(xs).all()
+    assert xs[0, 0] == np.float32(5000.0) / np.float32(127.0) * np.float32(4064.0)
+    assert xd[1, 1] == np.float32(1e7) / np.float32(127.0) and xs[1, 1] == -xd[1, 1] * 4064
+    assert xd[1, 2] == np.float32(np.float16(1 / 127))
+    assert xs[1, 2] == np.float32(np.float16(np.float32(1 / 127) * 4064))
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=["Q4_1", "Q8_0"])
@@ -71,7 +91,7 @@ def test_the_other_sums_are_those_of_the_quantized_values() -> None:
     assert np.array_equal(halves[2], q.reshape(3, 50, 16).sum(axis=2).astype(np.float32))
     whole = q.reshape(3, 25, 32).sum(axis=2)
     assert np.array_equal(corrections[2], (-128 * whole).astype(np.float32))
-    assert np.array_equal(plain[2], plain[1] * whole.astype(np.float32))  # d * sum(q), as the quantizer rounds it
+    assert np.array_equal(plain[2], reference.quantize_rows_q8(x)[2])  # d * sum(q), as Q8_1's s is rounded
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=["Q4_1", "Q8_0"])
@@ -161,9 +181,9 @@ def test_quantize_rows_of_a_prefill_batch_match_reference() -> None:
     assert x.size >= int8dot._PARALLEL_QUANTIZE_MIN
     x[3, :32] = np.arange(32, dtype=np.float32) + np.float32(0.5)  # halves: rounding ties, to even
     x[3, 31] = 127.0  # so that the block's scale is exactly 1
-    xq, xd, _ = int8dot.quantize_rows(x)
-    q, d = reference.quantize_rows_q8(x)
-    assert np.array_equal(xq, q) and np.array_equal(xd, d)
+    xq, xd, xs = int8dot.quantize_rows(x)
+    q, d, s = reference.quantize_rows_q8(x)
+    assert np.array_equal(xq, q) and np.array_equal(xd, d) and np.array_equal(xs, s)
     assert xd[3, 0] == 1.0 and list(xq[3, :4]) == [0, 2, 2, 4]
 
 
