@@ -27,22 +27,24 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
-def _greedy(row: np.ndarray, forbidden: list[int]) -> int:
+def greedy(row: np.ndarray, forbidden: list[int]) -> int:
     row = row.copy()
     row[forbidden] = -np.inf
     return int(np.argmax(row))
 
 
 class PantheonBatched:
-    """Pantheon's model straight from the loader, on the cpu backend with `threads` threads."""
+    """Pantheon's model straight from the loader, on the cpu backend with `threads` threads; `int8` picks its
+    arithmetic (default: PANTHEON_CPU_INT8's, as the server)."""
 
-    def __init__(self, path: Path, threads: int) -> None:
+    def __init__(self, path: Path, threads: int, int8: bool | None = None) -> None:
         from pantheon.config import ModelOptions, read_env
         from pantheon.engine.loader import load_served_model
         from pantheon.kernels.cpu.backend import CpuBackend
 
-        self.served = load_served_model(ModelOptions(path=path, name="bench"), read_env(),
-                                        CpuBackend(threads, int8=read_env().cpu_int8))
+        env = read_env()
+        self.served = load_served_model(ModelOptions(path=path, name="bench"), env,
+                                        CpuBackend(threads, int8=env.cpu_int8 if int8 is None else int8))
         self.model = self.served.model
         self.end_ids = sorted(set(self.served.tokenizer.stop_ids))
 
@@ -61,14 +63,14 @@ class PantheonBatched:
         t = time.perf_counter()
         for s, prompt in enumerate(prompts):
             logits = self.model.forward(state, [BatchRow(s, np.array(prompt, np.int32), 0)])
-            tokens.append(_greedy(logits[0], self.end_ids))
+            tokens.append(greedy(logits[0], self.end_ids))
             positions.append(len(prompt))
         prefill = sum(len(p) for p in prompts) / (time.perf_counter() - t)
         t = time.perf_counter()
         for _ in range(n_decode):
             logits = self.model.forward(state, [BatchRow(s, np.array([tokens[s]], np.int32), positions[s])
                                                 for s in range(n)])
-            tokens = [_greedy(logits[s], self.end_ids) for s in range(n)]
+            tokens = [greedy(logits[s], self.end_ids) for s in range(n)]
             positions = [p + 1 for p in positions]
         return {"decode_tok_s": n * n_decode / (time.perf_counter() - t), "prefill_tok_s": prefill}
 
@@ -139,13 +141,13 @@ class LlamaCppBatched:
         t = time.perf_counter()
         for s, prompt in enumerate(prompts):
             self._decode([(tok, i, s, i == len(prompt) - 1) for i, tok in enumerate(prompt)])
-            tokens.append(_greedy(self._logits(len(prompt) - 1), self.end_ids))
+            tokens.append(greedy(self._logits(len(prompt) - 1), self.end_ids))
             positions.append(len(prompt))
         prefill = sum(len(p) for p in prompts) / (time.perf_counter() - t)
         t = time.perf_counter()
         for _ in range(n_decode):
             self._decode([(tokens[s], positions[s], s, True) for s in range(n)])
-            tokens = [_greedy(self._logits(s), self.end_ids) for s in range(n)]
+            tokens = [greedy(self._logits(s), self.end_ids) for s in range(n)]
             positions = [p + 1 for p in positions]
         return {"decode_tok_s": n * n_decode / (time.perf_counter() - t), "prefill_tok_s": prefill}
 

@@ -37,10 +37,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.batched import LlamaCppBatched  # noqa: E402
+from bench.batched import LlamaCppBatched, PantheonBatched, greedy  # noqa: E402
 from bench.common import default_model, write_result  # noqa: E402
 from bench.concurrency import PROMPTS as STORY_PROMPTS  # noqa: E402
 from pantheon.kernels.cpu import int8dot  # noqa: E402
+from pantheon.models.base import BatchRow  # noqa: E402
 
 PROMPTS = [*STORY_PROMPTS, "What is the capital of France?", "List five fruits and their colors.",
            "Write a python function that reverses a string.", "Give me three tips for learning a new language.",
@@ -73,42 +74,24 @@ class LlamaEngine:
 
 
 class PantheonEngine:
-    def __init__(self, path: Path, threads: int, int8: bool, capacity: int) -> None:
-        from pantheon.config import ModelOptions, read_env
-        from pantheon.engine.loader import load_served_model
-        from pantheon.kernels.cpu.backend import CpuBackend
-
-        self.served = load_served_model(ModelOptions(path=path, name="agreement"), read_env(),
-                                        CpuBackend(threads, int8=int8))
+    def __init__(self, batched: PantheonBatched, capacity: int) -> None:
+        self.model = batched.model
         self.capacity = capacity
         self.state: Any = None
         self.pos = 0
 
-    def prompt_ids(self, text: str) -> list[int]:
-        rendered = self.served.template.render([{"role": "user", "content": text}], add_generation_prompt=True,
-                                               extra={})
-        return [int(t) for t in self.served.tokenizer.encode(rendered, parse_special=True)]
-
     def _forward(self, tokens: list[int]) -> np.ndarray:
-        from pantheon.models.base import BatchRow
-
-        logits = self.served.model.forward(self.state, [BatchRow(0, np.array(tokens, np.int32), self.pos)])
+        logits = self.model.forward(self.state, [BatchRow(0, np.array(tokens, np.int32), self.pos)])
         self.pos += len(tokens)
         return np.asarray(logits[0], dtype=np.float32).copy()
 
     def prefill(self, prompt: list[int]) -> np.ndarray:
-        self.state = self.served.model.new_state(1, self.capacity)
+        self.state = self.model.new_state(1, self.capacity)
         self.pos = 0
         return self._forward(prompt)
 
     def step(self, token: int) -> np.ndarray:
         return self._forward([token])
-
-
-def greedy(logits: np.ndarray, forbidden: list[int]) -> int:
-    row = logits.copy()
-    row[forbidden] = -np.inf
-    return int(np.argmax(row))
 
 
 def free_run(engine: Engine, prompt: list[int], n: int, forbidden: list[int]) -> list[int]:
@@ -142,19 +125,18 @@ def main() -> None:
     ap.add_argument("--model", type=Path, help="another GGUF file (default: the default model)")
     args = ap.parse_args()
     path = args.model or default_model()
-    ours = PantheonEngine(path, args.threads, int8dot.INT8_ISA is not None, 1024)
-    forbidden = sorted(set(ours.served.tokenizer.stop_ids))
+    ours = PantheonBatched(path, args.threads, int8=int8dot.INT8_ISA is not None)
+    forbidden = ours.end_ids
     prompts = [ours.prompt_ids(PROMPTS[i % len(PROMPTS)]) for i in range(args.prompts)]
     capacity = max(map(len, prompts)) + args.tokens + 8
-    ours.capacity = capacity
     fa_auto = LlamaCppBatched.load(path, args.threads, 1, capacity, forbidden)
     if fa_auto is None:
         raise SystemExit("llama-cpp-python is not installed: `make bench` installs the bench extra")
     engines: dict[str, Engine] = {
         "llama.cpp": LlamaEngine(fa_auto),
         "llama.cpp no-FA": LlamaEngine(LlamaCppBatched(fa_auto.lib, path, args.threads, 1, capacity, forbidden, 0)),
-        "pantheon": ours,
-        "pantheon float": PantheonEngine(path, args.threads, False, capacity),
+        "pantheon": PantheonEngine(ours, capacity),
+        "pantheon float": PantheonEngine(PantheonBatched(path, args.threads, int8=False), capacity),
     }
     runs = {name: [free_run(engine, p, args.tokens, forbidden) for p in prompts] for name, engine in engines.items()}
     reference = runs["llama.cpp"]
