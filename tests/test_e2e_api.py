@@ -653,7 +653,8 @@ def test_logit_bias_minus_100_forbids_the_greedy_token(smollm_server: ServerProc
 def test_logit_bias_bad_entries_are_skipped(smollm_server: ServerProcess, baseline: dict,
                                             vocab: dict[bytes, int]) -> None:
     first = bytes(baseline["choices"][0]["logprobs"]["content"][0]["bytes"])
-    bias = {"cat": 100, str(vocab[first]): "lots", "not-a-number": -100}
+    # The last key: digits past int()'s 4300-digit limit (it was a 500).
+    bias = {"cat": 100, str(vocab[first]): "lots", "not-a-number": -100, "9" * 5000: 100}
     body = chat(smollm_server, **BASE, logit_bias=bias)
     assert content_of(body) == content_of(baseline)
 

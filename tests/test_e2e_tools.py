@@ -84,6 +84,19 @@ def test_required_returns_one_well_formed_call(smollm_server: ServerProcess, pro
     assert any(made), made
 
 
+def test_logprobs_of_a_constrained_call_are_numbers(smollm_server: ServerProcess) -> None:
+    """Where the call's grammar allows fewer tokens than top_logprobs asks for (its opener: one), the other
+    alternatives are masked tokens: each reported with logprob -9999, as OpenAI and vLLM do, not as null (the
+    -inf that JSON cannot carry, which typed clients refuse)."""
+    body = chat(smollm_server, messages=[{"role": "user", "content": PROMPTS[0]}], tools=TOOLS, tool_choice="required",
+                temperature=0, max_tokens=4, logprobs=True, top_logprobs=3)
+    entries = body["choices"][0]["logprobs"]["content"]
+    alternatives = [alt for entry in entries for alt in entry["top_logprobs"]]
+    assert len(entries) == 4 and all(len(entry["top_logprobs"]) == 3 for entry in entries), entries
+    assert all(isinstance(e["logprob"], float) and e["logprob"] <= 0.0 for e in entries + alternatives), entries
+    assert -9999.0 in [alt["logprob"] for alt in alternatives], entries  # the opener's masked alternatives
+
+
 @pytest.mark.parametrize("max_tokens", [1, 3, 10, 20])
 def test_max_tokens_is_a_hard_cap_on_a_required_call(smollm_server: ServerProcess, max_tokens: int) -> None:
     """A constrained call cut short by max_tokens ends there with "length", as llama.cpp and vLLM do: the

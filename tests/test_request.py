@@ -41,6 +41,9 @@ def test_logit_bias_clamps_and_skips_non_numeric() -> None:
     # Keys Python's int() would read but that are not plain token ids: skipped as well.
     r = parse(logit_bias={"1_0": 100, " 12 ": 100, "\uff11\uff12": 100, "+7": 100, "-1": 100, "3": 1})
     assert r.logit_bias == {3: 1.0}
+    # Past int()'s 4300-digit limit (a ValueError, once a 500) and any id a vocabulary has: skipped too.
+    r = parse(logit_bias={"9" * 5000: 1, "1" * 19: 1, "4": 2})
+    assert r.logit_bias == {4: 2.0}
 
 
 def test_n_is_capped_to_8() -> None:

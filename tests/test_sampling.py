@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pantheon.engine.sampling import Sampler, SamplingParams, top_k
+from pantheon.engine.sampling import IMPOSSIBLE_LOGPROB, Sampler, SamplingParams, top_k
 
 V = 1000
 
@@ -130,6 +130,21 @@ def test_logprobs_are_normalized_and_ordered() -> None:
     assert [tid for tid, _ in t.top_logprobs] == np.argsort(-x)[:5].tolist()
     lps = [lp for _, lp in t.top_logprobs]
     assert lps == sorted(lps, reverse=True)
+
+
+def test_masked_alternatives_are_reported_as_impossible_not_as_minus_infinity() -> None:
+    """A grammar that allows 2 tokens, 4 alternatives asked for: the 2 allowed ones with their logprobs, then 2
+    masked ones at -9999 (OpenAI's and vLLM's value), never -inf, which JSON cannot carry (it became null)."""
+    x = logits(4)
+    mask = np.zeros(V, bool)
+    mask[[10, 20]] = True
+    picked = Sampler(SamplingParams(temperature=0.0, top_logprobs=4), V).sample(x, mask)
+    allowed = sorted([10, 20], key=lambda t: -x[t])
+    assert picked.token_id == allowed[0] and np.isfinite(picked.logprob) and picked.logprob > -1.0
+    assert [t for t, _ in picked.top_logprobs[:2]] == allowed
+    assert all(-9999.0 < lp <= 0.0 for _, lp in picked.top_logprobs[:2])
+    assert [lp for _, lp in picked.top_logprobs[2:]] == [IMPOSSIBLE_LOGPROB, IMPOSSIBLE_LOGPROB] == [-9999.0, -9999.0]
+    assert not {t for t, _ in picked.top_logprobs[2:]} & {10, 20}
 
 
 def test_mask_limits_choices() -> None:

@@ -165,6 +165,11 @@ def _parse_stop(value: Any) -> list[str]:
     raise invalid_request("'stop' must be a string or an array of strings")
 
 
+# logit_bias keys longer than this are no token id of any vocabulary (ids out of the model's range are skipped
+# where the bias is applied).
+_MAX_ID_DIGITS = 18
+
+
 def _parse_logit_bias(value: Any) -> dict[int, float]:
     if value is None:
         return {}
@@ -175,6 +180,8 @@ def _parse_logit_bias(value: Any) -> dict[int, float]:
         # Plain ASCII digits only: Python's int() would also read "1_0", " 12 " and full-width digits as ids.
         if not (isinstance(key, str) and key.isascii() and key.isdigit()):
             continue  # non-numeric keys are skipped, as the spec says
+        if len(key) > _MAX_ID_DIGITS:
+            continue  # no vocabulary's id (int() refuses past 4300 digits, a ValueError the route would 500 on)
         token = int(key)
         if isinstance(raw, bool) or not isinstance(raw, (int, float)) or not math.isfinite(raw):
             continue

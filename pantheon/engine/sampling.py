@@ -245,6 +245,16 @@ class SampledToken:
     top_logprobs: list[tuple[int, float]] | None = None
 
 
+# The logprob reported for a token that cannot come (a grammar masked it: -inf), as OpenAI and vLLM report it.
+# JSON has no -inf: orjson would write null, which clients that type `logprob` as a number refuse.
+IMPOSSIBLE_LOGPROB = -9999.0
+
+
+def _reported(logprob: float) -> float:
+    """A logprob as the response carries it: a finite number, IMPOSSIBLE_LOGPROB at the least (NaN too)."""
+    return logprob if logprob > IMPOSSIBLE_LOGPROB else IMPOSSIBLE_LOGPROB
+
+
 def _log_softmax(logits: np.ndarray) -> np.ndarray:
     m = np.max(logits)
     shifted = logits - m
@@ -299,12 +309,13 @@ class Sampler:
             # Log-probabilities of the distribution the model gave (after bias/penalties, before temperature
             # and truncation), as OpenAI reports them.
             logp = _log_softmax(scores)
-            result.logprob = float(logp[token])
+            result.logprob = _reported(float(logp[token]))
             k = p.top_logprobs
             if k > 0:
                 top = np.argpartition(-logp, k - 1)[:k]
                 top = top[np.argsort(-logp[top], kind="stable")]
-                result.top_logprobs = [(int(t), float(logp[t])) for t in top]
+                # Where a grammar allows fewer than k tokens, the rest are masked ones, reported as impossible.
+                result.top_logprobs = [(int(t), _reported(float(logp[t]))) for t in top]
             else:
                 result.top_logprobs = []
         return result
