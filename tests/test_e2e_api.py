@@ -416,6 +416,22 @@ def test_streamed_prompt_over_window_carries_kv_fields(ctx64_server: ServerProce
     assert str(error["kv_used"]) in plain  # the same numbers the non-streamed message carries
 
 
+def test_kv_used_of_a_prompt_over_the_window_is_its_token_count(ctx64_server: ServerProcess) -> None:
+    """Prompts that do not fit and are not huge are counted exactly: 3000 words report some 3000 tokens, not
+    the lower bound from the text's length alone (94 here: a client trimming by kv_used - kv_cap would have cut
+    30 tokens of some 2950)."""
+    used = []
+    for words in (80, 500, 3000):
+        body = {"messages": [{"role": "user", "content": "word " * words}], "max_tokens": 4, "stream": True}
+        with httpx.stream("POST", chat_url(ctx64_server), json=body, timeout=TIMEOUT) as r:
+            error = orjson.loads(r.read())["error"]
+        assert r.status_code == 422 and error["type"] == "context_over_budget", error
+        assert words < error["kv_used"] < words + 64, (words, error)
+        assert f"prompt is {error['kv_used']} tokens" in error["message"], error  # a count, not "at least"
+        used.append(error["kv_used"])
+    assert used == sorted(used), used
+
+
 # 400k messages: the chat template renders every one of them (jinja, ~2 s on a Zen 3 with nothing else
 # running) before the rendered prompt's length refuses it; 5.05 s was seen there with a stream decoding.
 @pytest.mark.parametrize(("messages", "limit_s"), [([{"role": "user", "content": "word " * 1_600_000}], 5.0),

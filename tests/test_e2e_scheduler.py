@@ -392,6 +392,31 @@ def test_streams_still_running_at_the_drain_deadline_end_cleanly(default_model_p
         server.stop()
 
 
+def test_an_answer_the_drain_deadline_cut_before_its_first_token_is_503(default_model_path: Path,
+                                                                          tmp_path: Path) -> None:
+    """A non-streamed turn still prefilling its prompt at the deadline gets 503 server_shutting_down (the
+    turn failed, as a queued one does), not a 200 with empty content and finish_reason "stop" that looks like
+    the model's whole answer."""
+    server = start_server(default_model_path, tmp_path, "--max-concurrent", "1", "--drain-timeout", "0")
+    try:
+        # ~4000 prompt tokens: seconds of prefill on 2 cores, so the deadline (at once) comes before a token.
+        body = {"messages": [{"role": "user", "content": "word " * 4000}], "max_tokens": 8, "temperature": 0}
+        answer: dict[str, httpx.Response] = {}
+        sender = threading.Thread(target=lambda: answer.setdefault("r", post(server, body)), daemon=True)
+        sender.start()
+        deadline = time.monotonic() + 30
+        while not any(line.startswith("pantheon_active_slots{") and float(line.rsplit(" ", 1)[1]) == 1
+                      for line in httpx.get(server.base_url + "/metrics", timeout=30).text.splitlines()):
+            assert time.monotonic() < deadline, "the turn never started"
+            time.sleep(0.02)
+        server.signal(signal.SIGTERM)
+        sender.join(60)
+        assert_error(answer["r"], 503, "server_shutting_down")
+        assert server.wait(60) == 0, server.log_tail()
+    finally:
+        server.stop()
+
+
 def test_second_signal_exits_at_once(default_model_path: Path, tmp_path: Path, end_ids: dict[str, int]) -> None:
     server = start_server(default_model_path, tmp_path)
     try:

@@ -26,7 +26,8 @@ def _instance(registry: Registry, name: Any) -> ModelInstance:
     instance = registry.find(name)
     if instance is None:
         # The session routes' one model error (their tables list no 503): with nothing loaded, no name finds one.
-        asked = "no model is loaded" if not registry.instances else f"model {name!r} is not loaded"
+        # Nothing serving (none loaded, or the only one unloading): the same words whatever the name asked.
+        asked = "no model is loaded" if not registry.serving else f"model {name!r} is not loaded"
         raise ApiError(404, "model_not_found", asked)
     return instance
 

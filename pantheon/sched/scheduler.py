@@ -80,6 +80,8 @@ class Active:
     checkpoint: Any = None  # a snapshot taken at the end of this step, to keep on the slot
     last_prefill_step: int = -1  # the scheduler's prefill step that last took a chunk of this prompt (-1: none)
     released: bool = False  # the turn is over (steps already running for it count for nothing)
+    # Why the server ended the turn early (the drain's deadline): sent as the turn's ErrorEvent, with its usage.
+    cut_by: ApiError | None = None
 
     @property
     def prefilling(self) -> bool:
@@ -270,10 +272,13 @@ class Scheduler:
         return all(other.job.request is job.request for other in (*self._active, *self._waiting))
 
     def end_turns_now(self) -> None:
-        """The shutdown drain's deadline: each running turn ends at its next step as a stop string would end
-        it (finish_reason "stop", its usage, a stream's closing chunk), and each queued one is refused with 503
-        server_shutting_down, so no client is cut off mid-stream."""
+        """The shutdown drain's deadline: each running turn ends at its next step as a failed generation (an
+        ErrorEvent of 503 server_shutting_down, with its usage: a stream closes its choice with finish_reason
+        "stop", a non-streamed answer with no token yet is that 503, not an empty answer that looks whole), and
+        each queued one is refused with the same 503, so no client is cut off mid-stream."""
         for active in self._active:
+            if not active.job.cancelled:  # a turn its consumer already ended (a stop string) ends as it was
+                active.cut_by = shutting_down()
             active.job.cancel()
         while self._waiting:
             self._refuse(self._waiting.popleft(), shutting_down())
@@ -467,7 +472,10 @@ class Scheduler:
 
     def _drop_cancelled(self) -> None:
         for active in list(self._active):
-            if active.job.cancelled:
+            if active.cut_by is not None:
+                self._send(active.events, ErrorEvent(active.cut_by, self._usage(active)))
+                self._release(active)  # what it holds is whole: its session stays
+            elif active.job.cancelled:
                 # The consumer stopped it (a stop string, or the client left): the turn ends here, and its
                 # usage still goes back (a closed channel just drops it).
                 self._finish(active, "stop")
