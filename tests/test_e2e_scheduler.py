@@ -26,6 +26,7 @@ import pytest
 import trio
 
 from tests.e2e_util import (
+    MODEL,
     Streamer,
     wait_queue_depth,
     assert_error,
@@ -413,6 +414,36 @@ def test_an_answer_the_drain_deadline_cut_before_its_first_token_is_503(default_
         sender.join(60)
         assert_error(answer["r"], 503, "server_shutting_down")
         assert server.wait(60) == 0, server.log_tail()
+    finally:
+        server.stop()
+
+
+def test_a_client_that_stops_reading_holds_neither_an_unload_nor_the_shutdown(default_model_path: Path,
+                                                                              tmp_path: Path,
+                                                                              end_ids: dict[str, int]) -> None:
+    """A streamed answer of some megabytes (8 choices, 20 alternatives a token) to a client with a 2 KiB
+    receive buffer that never reads: the server's writes stall, and after fastsend.WRITE_STALL_S (30 s) the
+    connection is given up, so the model's unload (which waits for the requests in hand) answers and a SIGTERM
+    exits at once. hypercorn's own writes have no deadline: the unload waited until the client closed."""
+    server = start_server(default_model_path, tmp_path)
+    try:
+        body = {**endless(end_ids, 128), "n": 8, "logprobs": True, "top_logprobs": 20, "stream": True}
+        payload = orjson.dumps(body)
+        stuck = socket.socket()
+        stuck.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
+        stuck.connect(("127.0.0.1", server.port))
+        stuck.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: %d\r\n\r\n%b" % (len(payload), payload))
+        try:
+            time.sleep(5)  # the turn decodes (8 x 128 tokens) and its writes fill the buffers
+            started = time.monotonic()
+            r = httpx.post(server.base_url + "/admin/models/unload", json={"name": MODEL}, timeout=120)
+            assert r.status_code == 200, r.text
+            assert time.monotonic() - started < 45, time.monotonic() - started
+            server.signal(signal.SIGTERM)
+            assert server.wait(20) == 0, server.log_tail()
+        finally:
+            stuck.close()
     finally:
         server.stop()
 

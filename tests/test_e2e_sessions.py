@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 
 from tests.e2e_util import (
@@ -100,6 +101,19 @@ def reheader(blob: bytes, edit: Callable[[dict[str, Any]], None]) -> bytes:
 def reweigh(blob: bytes, weights_version: int) -> bytes:
     """The same blob claiming other weights, with a correct checksum."""
     return reheader(blob, lambda header: header.__setitem__("weights_version", weights_version))
+
+
+def poisoned(blob: bytes, value: float) -> bytes:
+    """The same blob with the first value of its first array (a float state) set to `value`, and a correct
+    checksum."""
+    body = bytearray(blob[:-32])
+    _, _, header_len = _PREFIX.unpack_from(body, 0)
+    header = json.loads(body[_PREFIX.size:_PREFIX.size + header_len])
+    dtype = np.dtype(header["arrays"][0]["dtype"])
+    assert dtype.kind == "f", header["arrays"][0]
+    at = _PREFIX.size + header_len + 4 * header["n_tokens"]
+    body[at:at + dtype.itemsize] = np.array([value], dtype=dtype).tobytes()
+    return bytes(body) + hashlib.blake2b(bytes(body), digest_size=32).digest()
 
 
 def _first_array(key: str, value: Any) -> Callable[[dict[str, Any]], None]:
@@ -448,6 +462,9 @@ def _rejections(snap: dict[str, Any]) -> list[tuple[str, dict[str, Any] | bytes,
               "anchor-not-an-integer": lambda header: header.__setitem__("anchor", "5")}
     for label, edit in forged.items():
         cases.append((f"forged-{label}", {**good, "blob": b64(reheader(blob, edit))}, 400, "bad_session_blob"))
+    # A state value made NaN or inf (its turns would sample from NaN logits, and fail the rows batched with them).
+    for value in (float("nan"), float("inf"), float("-inf")):
+        cases.append((f"forged-state-{value}", {**good, "blob": b64(poisoned(blob, value))}, 400, "bad_session_blob"))
     for cut in (0, 10, 16, len(blob) // 2, len(blob) - 33, len(blob) - 1):
         cases.append((f"truncated-{cut}", {**good, "blob": b64(blob[:cut])}, 400, "bad_session_blob"))
     rng = random.Random(1234)

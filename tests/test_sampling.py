@@ -186,6 +186,38 @@ def test_sample_rows_gives_each_row_what_sample_gives_it() -> None:
     assert [s._counts for s in batched] == [s._counts for s in alone]
 
 
+@pytest.mark.parametrize("bad", ["nan", "-inf", "masked"])
+def test_a_row_that_allows_no_token_fails_alone(bad: str) -> None:
+    """A sampled row whose scores allow no token (NaN logits from a broken state, all -inf, or a mask of
+    nothing), in either road (the batched call's top-k rows, Sampler.sample's), comes back as NoTokenAllowed in
+    its place; every other row gets the token, and keeps the random stream, it has without the bad row beside it.
+    (It was a ValueError out of the whole call, and the scheduler failed every row of the step.)"""
+    from pantheon.engine.sampling import NoTokenAllowed, sample_rows
+
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_k=40, seed=1),
+              SamplingParams(temperature=0.7, top_k=0, top_p=0.9, seed=2), SamplingParams(temperature=0.0,
+                                                                                            top_logprobs=2)]
+    nothing = np.zeros(V, dtype=bool)
+    for bad_row in (1, 2):  # the sampled rows: greedy ones take np.argmax's answer (the test below)
+        batched = [Sampler(p, V) for p in params]
+        alone = [Sampler(p, V) for p in params]
+        rng = np.random.default_rng(bad_row)
+        for _ in range(3):
+            x = (rng.normal(size=(len(params), V)) * 3).astype(np.float32)
+            masks: list[np.ndarray | None] = [None] * len(params)
+            if bad == "masked":
+                masks[bad_row] = nothing
+            else:
+                x[bad_row] = np.float32(bad)
+            got = sample_rows(x.copy(), [(i, s, masks[i]) for i, s in enumerate(batched)])
+            assert isinstance(got[bad_row], NoTokenAllowed), (bad_row, got[bad_row])
+            for i, s in enumerate(alone):
+                if i != bad_row:
+                    assert got[i].token_id == s.sample(x[i].copy(), masks[i]).token_id, (bad_row, i)
+        with pytest.raises(NoTokenAllowed):
+            alone[bad_row].sample(x[bad_row].copy(), masks[bad_row])
+
+
 def test_sample_rows_builds_its_operands_again_for_other_samplers_or_rows() -> None:
     """The operands kept from the last call (`_pick_plan`) are only reused for the very same samplers at the
     same rows: new samplers in the same places, or the same samplers on other rows, get their own bias."""
@@ -206,7 +238,7 @@ def test_sample_rows_builds_its_operands_again_for_other_samplers_or_rows() -> N
 
 
 def test_sample_rows_argmax_ties_and_nan_as_numpy() -> None:
-    from pantheon.engine.sampling import sample_rows
+    from pantheon.engine.sampling import NoTokenAllowed, sample_rows
 
     x = np.zeros((3, V), dtype=np.float32)
     x[0, [5, 9]] = 2.0  # a tie: the first
@@ -215,8 +247,8 @@ def test_sample_rows_argmax_ties_and_nan_as_numpy() -> None:
     samplers = [Sampler(SamplingParams(temperature=0.0), V) for _ in range(3)]
     got = sample_rows(x, [(i, s, None) for i, s in enumerate(samplers)])
     assert [g.token_id for g in got] == [int(np.argmax(r)) for r in x] == [5, 4, 0]
-    with pytest.raises(ValueError, match="every score is -inf"):
-        sample_rows(x[2:].copy(), [(0, Sampler(SamplingParams(temperature=1.0, top_k=5, seed=0), V), None)])
+    (refused,) = sample_rows(x[2:].copy(), [(0, Sampler(SamplingParams(temperature=1.0, top_k=5, seed=0), V), None)])
+    assert isinstance(refused, NoTokenAllowed) and "every score is -inf" in str(refused)
 
 
 def test_argmax_over_a_large_vocab_matches_numpy() -> None:

@@ -237,6 +237,16 @@ def _pick_rows(logits, table, vocab, bias_ids, bias_values, bias_ends, out):
         _pick_rows_serial(logits, table, vocab, bias_ids, bias_values, bias_ends, out)
 
 
+class NoTokenAllowed(ValueError):
+    """A sampled (not greedy) row's scores allow no token: every one -inf or NaN after bias, penalties and mask
+    (NaN logits from a broken state, or a mask that leaves nothing). `sample_rows` returns it in that row's
+    place, so that only the row's own turn fails. Greedy rows take np.argmax's answer in both of sample_rows'
+    roads (a NaN first; token 0 when every score is -inf)."""
+
+    def __init__(self) -> None:
+        super().__init__("no token is allowed: every score is -inf or NaN")
+
+
 @dataclass
 class SampledToken:
     token_id: int
@@ -300,7 +310,7 @@ class Sampler:
         p = self.params
         scores = self._processed(logits[: self.vocab_size], mask)
         if p.greedy:
-            token = int(np.argmax(scores))
+            token = int(np.argmax(scores))  # as np.argmax: a NaN first, token 0 when every score is -inf
         else:
             token = self._sample_stochastic(scores)
         self._record(token)
@@ -331,7 +341,7 @@ class Sampler:
             # The k best, best first; softmax over them alone, then top-p over that; one compiled call.
             token = int(_sample_top_k(scores, int(p.top_k), float(p.temperature), float(p.top_p), self._rng.random()))
             if token < 0:
-                raise ValueError("no token is allowed: every score is -inf")
+                raise NoTokenAllowed()
             return token
         candidates, probs = self._full_distribution(scores)  # probs are shares of the whole distribution
         return int(candidates[_nucleus_pick(probs, 1.0, float(p.top_p), self._rng.random())])
@@ -343,6 +353,8 @@ class Sampler:
         vocabulary order."""
         p = self.params
         finite = np.flatnonzero(np.isfinite(scores))
+        if finite.size == 0:
+            raise NoTokenAllowed()
         scaled = scores[finite].astype(np.float64) / p.temperature
         weights = np.zeros(scores.size)  # by token id: exp(score / temperature - max), 0 where not finite
         weights[finite] = np.exp(scaled - scaled.max())
@@ -397,9 +409,11 @@ def _pick_plan(rows: tuple[int, ...], samplers: tuple[Sampler, ...]) -> _PickPla
     return plan
 
 
-def sample_rows(logits: np.ndarray, picks: list[tuple[int, Sampler, np.ndarray | None]]) -> list[SampledToken]:
+def sample_rows(logits: np.ndarray, picks: list[tuple[int, Sampler, np.ndarray | None]]
+                ) -> list[SampledToken | NoTokenAllowed]:
     """`sampler.sample(logits[row], mask)` for every (row, sampler, mask) of a step: the same tokens from the same
-    random draws. The rows of plain samplers without a mask go through one compiled call that gives the GIL up
+    random draws; a row whose scores allow no token gets the NoTokenAllowed in its place (the others' tokens and
+    draws are what they would be without it). The rows of plain samplers without a mask go through one compiled call that gives the GIL up
     once; per row, numpy's copy and argmax gave it up twice, and under the server each give-up can cost a wait
     of up to a switch interval to take it back while the event loop holds it. Their bias is added to `logits`
     in place: the caller's scores, which the step no longer needs.
@@ -410,7 +424,7 @@ def sample_rows(logits: np.ndarray, picks: list[tuple[int, Sampler, np.ndarray |
     2-core Zen 4 VM (2026-12-05), 8 greedy rows with a logit bias inside the scheduler's decode runs: the call
     took 0.22-0.25 ms a step (median), its compiled part 0.08 of it, when it built them every time; 0.11-0.12
     ms, and 0.05, with them kept and the rows picked over the threads."""
-    results: list[SampledToken | None] = [None] * len(picks)
+    results: list[SampledToken | NoTokenAllowed | None] = [None] * len(picks)
     fast = [i for i, (_, sampler, mask) in enumerate(picks) if mask is None and sampler.plain]
     if fast:
         if logits.dtype != np.float32 or not logits.flags.writeable:
@@ -423,10 +437,14 @@ def sample_rows(logits: np.ndarray, picks: list[tuple[int, Sampler, np.ndarray |
                    plan.bias_values, plan.bias_ends, plan.tokens)
         for i, sampler, token in zip(fast, samplers, plan.tokens.tolist()):
             if token < 0:
-                raise ValueError("no token is allowed: every score is -inf")
+                results[i] = NoTokenAllowed()
+                continue
             sampler._record(token)
             results[i] = SampledToken(token)
     for i, (row, sampler, mask) in enumerate(picks):
         if results[i] is None:
-            results[i] = sampler.sample(logits[row], mask)
+            try:
+                results[i] = sampler.sample(logits[row], mask)
+            except NoTokenAllowed as exc:
+                results[i] = exc
     return results  # type: ignore[return-value]

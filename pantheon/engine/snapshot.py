@@ -19,7 +19,8 @@ state at checkpoint positions (arrays named "checkpoint<j>.<name>"), which a res
 that state cannot be rewound, and the next turn's prompt re-renders the last reply and leaves the blob's
 tokens where that reply began. A restore checks, in order:
 checksum, magic and version, architecture and dims, weights_version (a mismatch is the caller's 409), that
-the tokens match the header and the request, and that every array has exactly the declared size.
+the tokens match the header and the request, and that every array has exactly the declared size and, if it
+holds floats, only finite ones.
 """
 
 from __future__ import annotations
@@ -144,7 +145,12 @@ def decode(blob: bytes, *, architecture: str, dims: dict[str, Any], weights_vers
         nbytes = math.prod(shape) * dtype.itemsize
         if offset + nbytes > len(body):
             raise BadBlob(f"blob is truncated inside array {name}")
-        arrays.append((name, np.frombuffer(body[offset : offset + nbytes], dtype=dtype).reshape(shape)))
+        array = np.frombuffer(body[offset : offset + nbytes], dtype=dtype).reshape(shape)
+        # Whoever can edit a blob can recompute its checksum: a NaN or inf in a session's state would make every
+        # later turn of it sample from NaN logits (a 500 for its turns and for rows batched with them).
+        if dtype.kind == "f" and not np.isfinite(array).all():
+            raise BadBlob(f"array {name} holds values that are not finite")
+        arrays.append((name, array))
         offset += nbytes
     if offset != len(body):
         raise BadBlob(f"blob has {len(body) - offset} unexpected trailing bytes")

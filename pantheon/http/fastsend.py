@@ -24,6 +24,11 @@ stream closed, another write holding the lock) sends through hypercorn as before
 `install()` also makes a connection's close wait for another task's write in flight: hypercorn sends the EOF
 without the send lock, so a pipelined request (which makes h11 close a `Connection: close` connection) could
 cut off the answer to the request before it.
+
+And it gives hypercorn's waiting writes a deadline (`send_or_give_up`): hypercorn shields its `send_all` from
+cancellation and sets no timeout, so a client that stopped reading (its socket buffers full) held its handler
+for ever, and with it a model's unload and the server's shutdown past its drain deadline. A peer that takes no
+piece of a write for WRITE_STALL_S is now gone: its connection is closed, as a broken one is.
 """
 
 from __future__ import annotations
@@ -36,6 +41,10 @@ import trio
 
 _installed: dict[str, Any] = {}
 _CLOSE_WAIT_S = 5.0  # how long a connection's close waits for another task's write in flight
+# A peer that takes no piece of a response for this long is given up (as asgi.BODY_STALL_S for a request body);
+# a piece is at most _WRITE_PIECE bytes, so a live client slower than ~2 KB/s is given up too.
+WRITE_STALL_S = 30.0
+_WRITE_PIECE = 1 << 16
 
 
 def _write_some(server: Any, data: bytes) -> int:
@@ -62,6 +71,31 @@ def _short_road(server: Any, event: Any, raw_data: type) -> Any:
     if sent == len(data):
         return None
     return raw_data(data=bytes(data[sent:]))
+
+
+async def send_or_give_up(server: Any, event: Any) -> None:
+    """hypercorn's `protocol_send` (the original: `install()` keeps it), except that raw bytes for a plain TCP
+    stream are written piece by piece, each with WRITE_STALL_S to go (still under the connection's send lock and
+    shielded from cancellation, as hypercorn writes): a peer that takes no piece in that time is closed and
+    reported gone (`Closed`), as a broken connection is, and the app's later sends to it are dropped."""
+    raw_data, closed = _installed["events"]
+    stream = getattr(server, "stream", None)
+    lock = getattr(server, "send_lock", None)
+    if type(event) is not raw_data or type(stream) is not trio.SocketStream or lock is None:
+        await _installed["original"](server, event)
+        return
+    data = memoryview(event.data)
+    async with lock:
+        try:
+            for start in range(0, len(data), _WRITE_PIECE):
+                with trio.CancelScope(shield=True, deadline=trio.current_time() + WRITE_STALL_S) as piece:
+                    await stream.send_all(data[start:start + _WRITE_PIECE])
+                if piece.cancelled_caught:  # the stream is in no known state after a cancelled send: closed
+                    await stream.aclose()
+                    await server.protocol.handle(closed())
+                    return
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            await server.protocol.handle(closed())
 
 
 class BodyWriter:
@@ -109,7 +143,7 @@ class BodyWriter:
         self.send_held()
         if self._backlog:
             rest, self._backlog = self._backlog, b""
-            await _installed["original"](self._server, self._raw_data(data=rest))
+            await send_or_give_up(self._server, self._raw_data(data=rest))
 
     async def __call__(self, body: bytes) -> None:
         await self.flush()
@@ -167,7 +201,7 @@ def install() -> bool:
         if rest is None:
             return
         try:
-            await original(self, rest)
+            await send_or_give_up(self, rest)
         except trio.BusyResourceError:
             # The connection's close (its EOF, sent by another task) won the race: the peer is gone for this
             # response, as when hypercorn meets a broken or closed stream.
@@ -186,6 +220,7 @@ def install() -> bool:
         await original_close(self)
 
     _installed["original"] = original
+    _installed["events"] = (RawData, Closed)
     TCPServer.protocol_send = protocol_send  # type: ignore[method-assign]
     TCPServer._close = close  # type: ignore[method-assign]
     return True

@@ -36,7 +36,7 @@ import trio
 
 from pantheon.engine.loader import LoadedModel
 from pantheon.engine.repetition import RepetitionDetector
-from pantheon.engine.sampling import SampledToken, Sampler, sample_rows
+from pantheon.engine.sampling import NoTokenAllowed, SampledToken, Sampler, sample_rows
 from pantheon.engine.sessions import SessionTable, SlotInfo
 from pantheon.errors import ApiError, shutting_down
 from pantheon.metrics import Metrics
@@ -88,6 +88,11 @@ class Active:
         return self.prompt_done < len(self.job.prompt)
 
 
+# A row's outcome of a step: its token, None (a prefill row that made no logits), or NoTokenAllowed (its scores
+# allowed none: only its own turn fails).
+Sample = SampledToken | NoTokenAllowed | None
+
+
 def _flush(owners: list[Active]) -> None:
     """After a delivery: each consumer that took tokens at once sends what it holds (`on_flush`; a consumer
     holding nothing sends nothing)."""
@@ -112,7 +117,7 @@ class StepResult:
 
     rows: list[BatchRow]
     owners: list[Active]
-    samples: list[SampledToken | None]
+    samples: list[Sample]
     seconds: float
     error: Exception | None = None
 
@@ -444,7 +449,7 @@ class Scheduler:
                 return
             rows, owners, made = following
 
-    def _next_decode(self, rows: list[BatchRow], owners: list[Active], samples: list[SampledToken | None],
+    def _next_decode(self, rows: list[BatchRow], owners: list[Active], samples: list[Sample],
                      made: list[int]) -> tuple[list[BatchRow], list[Active], list[int]] | None:
         """Forward thread: the next decode step's rows, as `_accept` and `_plan` will see them once this step's
         tokens are delivered, or None when the event loop should plan instead: a queued job can be admitted, a
@@ -459,7 +464,8 @@ class Scheduler:
             return None
         following: tuple[list[BatchRow], list[Active], list[int]] = ([], [], [])
         for row, active, sampled, count in zip(rows, owners, samples, made):
-            if sampled is None or active.released or active.job.cancelled or active.job.constraint is not None:
+            if (not isinstance(sampled, SampledToken) or active.released or active.job.cancelled
+                    or active.job.constraint is not None):
                 continue
             count += 1
             position = row.start_pos + 1  # what the slot holds once this step's token is delivered
@@ -569,7 +575,7 @@ class Scheduler:
         return BatchRow(active.slot.index, chunk, start, "last" if last else "none")
 
     def _execute(self, rows: list[BatchRow], owners: list[Active], handover: Callable[[], None] | None = None
-                 ) -> list[SampledToken | None]:
+                 ) -> list[Sample]:
         """Worker thread: one forward pass, then sampling for every row that produced logits. `handover` is
         called once the pass's inputs are built, right before it computes (models without `prepare_forward`:
         before the pass)."""
@@ -594,7 +600,7 @@ class Scheduler:
                 end = row.start_pos + len(row.tokens)
                 if active.prefilling and end in (active.job.history_end, len(active.job.prompt)):
                     active.checkpoint = model.snapshot_slot(self.state, row.slot)
-        samples: list[SampledToken | None] = []
+        samples: list[Sample] = []
         picks: list[tuple[int, Sampler, np.ndarray | None]] = []  # (logits row, sampler, mask) to sample
         picked_at: list[int] = []  # where each pick's token goes in samples
         li = 0
@@ -627,7 +633,7 @@ class Scheduler:
         else:
             self.decode_step_s = seconds if self.decode_step_s is None else 0.8 * self.decode_step_s + 0.2 * seconds
 
-    def _deliver(self, rows: list[BatchRow], owners: list[Active], samples: list[SampledToken | None]) -> None:
+    def _deliver(self, rows: list[BatchRow], owners: list[Active], samples: list[Sample]) -> None:
         now = time.monotonic()
         model = self.served.name
         for row, active, sampled in zip(rows, owners, samples):
@@ -651,6 +657,9 @@ class Scheduler:
                 del checkpoints[:-MAX_CHECKPOINTS]
                 active.checkpoint = None
             if sampled is None:
+                continue
+            if isinstance(sampled, NoTokenAllowed):
+                self._fail([active], sampled)  # this turn alone: the rows batched with it go on
                 continue
             if active.last_token_at is None:
                 self.metrics.observe("pantheon_time_to_first_token_seconds", now - active.submitted_at, model=model)
