@@ -413,10 +413,10 @@ def sample_rows(logits: np.ndarray, picks: list[tuple[int, Sampler, np.ndarray |
                 ) -> list[SampledToken | NoTokenAllowed]:
     """`sampler.sample(logits[row], mask)` for every (row, sampler, mask) of a step: the same tokens from the same
     random draws; a row whose scores allow no token gets the NoTokenAllowed in its place (the others' tokens and
-    draws are what they would be without it). The rows of plain samplers without a mask go through one compiled call that gives the GIL up
-    once; per row, numpy's copy and argmax gave it up twice, and under the server each give-up can cost a wait
-    of up to a switch interval to take it back while the event loop holds it. Their bias is added to `logits`
-    in place: the caller's scores, which the step no longer needs.
+    draws are what they would be without it). The rows of plain samplers without a mask go through one compiled
+    call that gives the GIL up once; per row, numpy's copy and argmax gave it up twice, and under the server
+    each give-up can cost a wait of up to a switch interval to take it back while the event loop holds it.
+    Their bias is added to `logits` in place: the caller's scores, which the step no longer needs.
 
     Its Python runs after every decode step, with the caches cold from the step's weights: ~10 us per numpy
     call there. So the rows' parameters go in as one table, kept with the bias arrays from one call to the next
