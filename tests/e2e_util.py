@@ -249,11 +249,28 @@ def streams(*streamers: Streamer) -> Iterator[tuple[Streamer, ...]]:
                 s.close()
 
 
+def raw_chat_request(body: dict[str, Any]) -> bytes:
+    """A whole POST /v1/chat/completions as bytes, for a raw socket (a client that never reads, or hangs up
+    before any answer: httpx would have no socket to hold)."""
+    payload = orjson.dumps(body)
+    return (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%b" % (len(payload), payload))
+
+
+def _gauge(server: ServerProcess, name: str) -> int:
+    """A gauge of /metrics, summed over models."""
+    text = httpx.get(server.base_url + "/metrics", timeout=30).text
+    return sum(int(float(line.rsplit(" ", 1)[1])) for line in text.splitlines() if line.startswith(name + "{"))
+
+
 def queue_depth(server: ServerProcess) -> int:
     """Jobs waiting for a decode slot, summed over models (from /metrics)."""
-    text = httpx.get(server.base_url + "/metrics", timeout=30).text
-    return sum(int(float(line.rsplit(" ", 1)[1])) for line in text.splitlines()
-               if line.startswith("pantheon_queue_depth{"))
+    return _gauge(server, "pantheon_queue_depth")
+
+
+def active_slots(server: ServerProcess) -> int:
+    """Turns running (admitted, prefilling or decoding), summed over models (from /metrics)."""
+    return _gauge(server, "pantheon_active_slots")
 
 
 def wait_queue_depth(server: ServerProcess, n: int, timeout: float = 30.0) -> None:

@@ -23,7 +23,7 @@ import openai
 import orjson
 import pytest
 
-from tests.e2e_util import endless
+from tests.e2e_util import endless, raw_chat_request
 from tests.server_process import ServerProcess
 
 pytestmark = pytest.mark.slow
@@ -1003,10 +1003,8 @@ def test_stream_disconnect_frees_the_slot(single_slot_server: ServerProcess, voc
 
 
 def test_non_stream_disconnect_frees_the_slot(single_slot_server: ServerProcess, vocab: dict[bytes, int]) -> None:
-    payload = orjson.dumps(_endless(vocab, 8000))
     with socket.create_connection(("127.0.0.1", single_slot_server.port), timeout=30) as sock:
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+        sock.sendall(raw_chat_request(_endless(vocab, 8000)))
         time.sleep(3)  # generation is under way; now hang up without reading
     started = time.monotonic()
     r = httpx.post(chat_url(single_slot_server), json={**BASE, "max_tokens": 4}, timeout=60)

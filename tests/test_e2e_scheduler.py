@@ -28,6 +28,8 @@ import trio
 from tests.e2e_util import (
     MODEL,
     Streamer,
+    active_slots,
+    raw_chat_request,
     wait_queue_depth,
     assert_error,
     chat,
@@ -190,10 +192,8 @@ def test_queued_client_that_disconnects_leaves_the_queue_at_once(one_slot_server
         # B queues (depth 1): a long request that would hold the slot ~minutes if it were ever admitted. Sent on
         # a raw socket: a queued stream has no response headers yet, so an httpx client would have no socket to
         # hang up.
-        payload = orjson.dumps({**endless(end_ids, 4000, seed=3), "stream": stream})
         sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+        sock.sendall(raw_chat_request({**endless(end_ids, 4000, seed=3), "stream": stream}))
         wait_queue_depth(server, 1)
         # Control: the queue is full now.
         assert_error(post(server, greedy(PROMPTS[1], 4), timeout=30), 429, "server_busy")
@@ -406,8 +406,7 @@ def test_an_answer_the_drain_deadline_cut_before_its_first_token_is_503(default_
         sender = threading.Thread(target=lambda: answer.setdefault("r", post(server, body)), daemon=True)
         sender.start()
         deadline = time.monotonic() + 30
-        while not any(line.startswith("pantheon_active_slots{") and float(line.rsplit(" ", 1)[1]) == 1
-                      for line in httpx.get(server.base_url + "/metrics", timeout=30).text.splitlines()):
+        while active_slots(server) != 1:
             assert time.monotonic() < deadline, "the turn never started"
             time.sleep(0.02)
         server.signal(signal.SIGTERM)
@@ -428,12 +427,10 @@ def test_a_client_that_stops_reading_holds_neither_an_unload_nor_the_shutdown(de
     server = start_server(default_model_path, tmp_path)
     try:
         body = {**endless(end_ids, 128), "n": 8, "logprobs": True, "top_logprobs": 20, "stream": True}
-        payload = orjson.dumps(body)
         stuck = socket.socket()
         stuck.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
         stuck.connect(("127.0.0.1", server.port))
-        stuck.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                      b"Content-Length: %d\r\n\r\n%b" % (len(payload), payload))
+        stuck.sendall(raw_chat_request(body))
         try:
             time.sleep(5)  # the turn decodes (8 x 128 tokens) and its writes fill the buffers
             started = time.monotonic()

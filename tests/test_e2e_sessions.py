@@ -94,8 +94,12 @@ def reheader(blob: bytes, edit: Callable[[dict[str, Any]], None]) -> bytes:
     header = json.loads(body[_PREFIX.size:_PREFIX.size + header_len])
     edit(header)
     header_bytes = json.dumps(header, separators=(",", ":")).encode()
-    new_body = _PREFIX.pack(magic, version, len(header_bytes)) + header_bytes + body[_PREFIX.size + header_len:]
-    return new_body + hashlib.blake2b(new_body, digest_size=32).digest()
+    return sealed(_PREFIX.pack(magic, version, len(header_bytes)) + header_bytes + body[_PREFIX.size + header_len:])
+
+
+def sealed(body: bytes) -> bytes:
+    """A blob's body with the checksum a restore checks (BLAKE2b-256, unkeyed: anyone can make one)."""
+    return body + hashlib.blake2b(body, digest_size=32).digest()
 
 
 def reweigh(blob: bytes, weights_version: int) -> bytes:
@@ -113,7 +117,7 @@ def poisoned(blob: bytes, value: float) -> bytes:
     assert dtype.kind == "f", header["arrays"][0]
     at = _PREFIX.size + header_len + 4 * header["n_tokens"]
     body[at:at + dtype.itemsize] = np.array([value], dtype=dtype).tobytes()
-    return bytes(body) + hashlib.blake2b(bytes(body), digest_size=32).digest()
+    return sealed(bytes(body))
 
 
 def _first_array(key: str, value: Any) -> Callable[[dict[str, Any]], None]:

@@ -479,8 +479,7 @@ class Scheduler:
     def _drop_cancelled(self) -> None:
         for active in list(self._active):
             if active.cut_by is not None:
-                self._send(active.events, ErrorEvent(active.cut_by, self._usage(active)))
-                self._release(active)  # what it holds is whole: its session stays
+                self._end_with_error(active, active.cut_by, keep_state=True)  # what it holds is whole
             elif active.job.cancelled:
                 # The consumer stopped it (a stop string, or the client left): the turn ends here, and its
                 # usage still goes back (a closed channel just drops it).
@@ -723,8 +722,12 @@ class Scheduler:
     def _fail(self, owners: list[Active], exc: Exception) -> None:
         error = ApiError(500, "server_error", f"generation failed: {type(exc).__name__}: {exc}")
         for active in owners:
-            self._send(active.events, ErrorEvent(error, self._usage(active)))
-            self._release(active, keep_state=False)  # its state may be half-written
+            self._end_with_error(active, error, keep_state=False)  # its state may be half-written
+
+    def _end_with_error(self, active: Active, error: ApiError, *, keep_state: bool) -> None:
+        """End a turn as a failed generation: its consumer gets `error` with the turn's usage."""
+        self._send(active.events, ErrorEvent(error, self._usage(active)))
+        self._release(active, keep_state=keep_state)
 
     def _unpin(self, active: Active) -> None:
         if active.pinned is not None:
