@@ -819,13 +819,27 @@ def test_penalties_are_clamped_to_2(smollm_server: ServerProcess, repeat_baselin
 
 # -- content forms -----------------------------------------------------------------------------------------
 
-def test_text_parts_are_joined(smollm_server: ServerProcess, baseline: dict) -> None:
-    # The spec's table reads non-string content as empty; the project joins {"type":"text"} parts instead,
-    # because opencode sends them when files are attached (reference/clients.md).
-    parts = [{"type": "text", "text": "What is the capital "}, {"type": "text", "text": "of Japan?"}]
-    body = chat(smollm_server, **{**BASE, "messages": [{"role": "user", "content": parts}]})
-    assert body["usage"]["prompt_tokens"] == baseline["usage"]["prompt_tokens"]
-    assert content_of(body) == content_of(baseline)
+def test_text_parts_are_joined_by_newlines(smollm_server: ServerProcess) -> None:
+    # The spec's table reads non-string content as empty; the project joins {"type":"text"} parts instead, as
+    # llama-server does for a string template (a newline between parts), because opencode sends them when files
+    # are attached (reference/clients.md). A trailing assistant message continued is its parts with nothing
+    # between, as llama-server appends them.
+    parts = [{"type": "text", "text": "What is the capital"}, {"type": "image_url", "image_url": {"url": "x"}},
+             {"type": "text", "text": "of Japan?"}]
+    joined = chat(smollm_server, **{**BASE, "messages": [{"role": "user", "content": parts}]})
+    def asking(text: str) -> dict:
+        return chat(smollm_server, **{**BASE, "messages": [{"role": "user", "content": text}]})
+
+    as_text, run_on = asking("What is the capital\nof Japan?"), asking("What is the capitalof Japan?")
+    assert joined["usage"]["prompt_tokens"] == as_text["usage"]["prompt_tokens"] != run_on["usage"]["prompt_tokens"]
+    assert content_of(joined) == content_of(as_text)
+    ask = {"role": "user", "content": "Count from 1 to 10, comma separated."}
+    prefill = [{"type": "text", "text": "1, 2,"}, {"type": "text", "text": " 3,"}]
+    continued = chat(smollm_server, messages=[ask, {"role": "assistant", "content": prefill}], temperature=0,
+                     max_tokens=6)
+    same = chat(smollm_server, messages=[ask, {"role": "assistant", "content": "1, 2, 3,"}], temperature=0,
+                max_tokens=6)
+    assert continued["usage"] == same["usage"] and content_of(continued) == content_of(same)
 
 
 def test_message_without_role_is_user(smollm_server: ServerProcess, baseline: dict) -> None:

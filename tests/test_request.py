@@ -71,8 +71,12 @@ def test_message_content_forms() -> None:
                                      {"type": "text", "text": "b"}]},
         {"role": "assistant", "content": 42, "reasoning": "thought"},
     ]})
-    assert [(m.role, m.content) for m in r.messages] == [("user", "no role"), ("user", "ab"), ("assistant", "")]
+    assert [(m.role, m.content) for m in r.messages] == [("user", "no role"), ("user", "a\nb"), ("assistant", "")]
+    assert [m.unjoined_text for m in r.messages] == [None, "ab", None]
     assert r.messages[2].reasoning_content == "thought"
+    # llama-server's join: a newline before each part once there is text, so empty parts count after the first.
+    empty_parts = [{"type": "text", "text": t} for t in ("", "a", "", "b")]
+    assert parse_chat_request({"messages": [{"role": "user", "content": empty_parts}]}).messages[0].content == "a\n\nb"
 
 
 def test_stream_options_include_usage() -> None:

@@ -51,24 +51,31 @@ def test_top_k_helper_is_a_stable_descending_selection(k: int) -> None:
     np.testing.assert_array_equal(top_k(x, k), expected)
 
 
-@pytest.mark.parametrize(("top_k_", "top_p"), [(0, 1.0), (40, 1.0), (0, 0.9), (40, 0.9)])
-def test_sampling_follows_the_truncated_softmax(top_k_: int, top_p: float) -> None:
-    """Token frequencies match softmax(x / T) restricted to the top-k, then to the top-p nucleus."""
+@pytest.mark.parametrize(("top_k_", "top_p", "min_p"),
+                         [(0, 1.0, 0.0), (40, 1.0, 0.0), (0, 0.9, 0.0), (40, 0.9, 0.0), (0, 0.9, 0.05),
+                          (40, 0.9, 0.05), (0, 1.0, 0.05)])
+@pytest.mark.parametrize("temperature", [0.8, 2.5])
+def test_sampling_follows_llama_cpps_chain(top_k_: int, top_p: float, min_p: float, temperature: float) -> None:
+    """Token frequencies match llama.cpp's default sampler chain: the top-k, then the top-p nucleus of their
+    softmax, then min-p, all before the temperature; then softmax(x / T) over the tokens kept."""
     x = logits(5) / 3
-    temperature = 0.8
     order = np.argsort(-x, kind="stable")
     kept = order[:top_k_] if top_k_ else order
+    shares = np.exp(x[kept] - x[kept].max())
+    shares /= shares.sum()
+    if top_p < 1.0:
+        kept = kept[:int(np.searchsorted(np.cumsum(shares), top_p) + 1)]
+    if min_p:
+        kept = kept[x[kept] >= x[kept[0]] + np.log(min_p)]
     probs = np.exp((x[kept] - x[kept].max()) / temperature)
     probs /= probs.sum()
-    if top_p < 1.0:
-        n = int(np.searchsorted(np.cumsum(probs), top_p) + 1)
-        kept, probs = kept[:n], probs[:n] / probs[:n].sum()
-    s = Sampler(SamplingParams(temperature=temperature, top_k=top_k_, top_p=top_p, seed=1), V)
+    s = Sampler(SamplingParams(temperature=temperature, top_k=top_k_, top_p=top_p, min_p=min_p, seed=1), V)
     draws = 20000
     counts = np.bincount([s.sample(x).token_id for _ in range(draws)], minlength=V)
     assert counts[np.setdiff1d(np.arange(V), kept)].sum() == 0
     expected = probs * draws
     big = expected > 50
+    assert big.sum() >= 2
     assert np.all(np.abs(counts[kept][big] - expected[big]) < 5 * np.sqrt(expected[big]) + 10)
 
 
@@ -77,6 +84,27 @@ def test_top_p_keeps_the_nucleus() -> None:
     x[7], x[8] = 10.0, 9.0  # ~0.73 / ~0.27 of the mass
     s = Sampler(SamplingParams(temperature=1.0, top_k=0, top_p=0.5, seed=0), V)
     assert {s.sample(x).token_id for _ in range(100)} == {7}
+
+
+@pytest.mark.parametrize("top_k_", [0, 40])
+def test_a_high_temperature_does_not_widen_the_nucleus(top_k_: int) -> None:
+    """top_p measures the model's own distribution, as llama.cpp's chain does (the temperature comes last): at
+    T = 50 the scores / T are nearly flat, and a nucleus measured on them would hold half the vocabulary."""
+    x = np.full(V, -10.0, np.float32)
+    x[7], x[8], x[9] = 10.0, 9.0, 8.0  # ~0.67 / ~0.24 / ~0.09
+    s = Sampler(SamplingParams(temperature=50.0, top_k=top_k_, top_p=0.8, seed=0), V)
+    assert {s.sample(x).token_id for _ in range(300)} == {7, 8}
+
+
+@pytest.mark.parametrize("top_k_", [0, 40])
+def test_min_p_cuts_after_the_nucleus(top_k_: int) -> None:
+    """llama.cpp applies min_p after top_p: shares 0.4 / 0.3 / 0.2 / 0.1, top_p 0.75 keeps three (0.9), and
+    min_p 0.3 (0.12 of the mass) keeps them. min_p first would drop the fourth and renormalise, and the nucleus
+    of 0.44 / 0.33 / 0.22 would stop at two."""
+    x = np.full(V, -30.0, np.float32)
+    x[:4] = np.log([0.4, 0.3, 0.2, 0.1])
+    s = Sampler(SamplingParams(temperature=1.0, top_k=top_k_, top_p=0.75, min_p=0.3, seed=0), V)
+    assert {s.sample(x).token_id for _ in range(600)} == {0, 1, 2}
 
 
 def test_top_p_zero_is_greedy() -> None:

@@ -98,6 +98,8 @@ def build_prompt(served: LoadedModel, request: ChatRequest, *, no_think_default:
         # A trailing assistant message is the start of the reply, continued (llama-server's default): the
         # conversation before it gets the generation prompt, then its text; the reply returned is what follows.
         prefill = messages.pop()["content"]
+        if last.unjoined_text is not None:
+            prefill = last.unjoined_text  # its parts as llama-server appends them: with nothing between
     extra: dict[str, Any] = {}
     thinking = False
     if template.is_think_style:

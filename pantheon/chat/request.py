@@ -24,6 +24,10 @@ class Message:
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
     name: str | None = None
+    # An array content's text parts joined with nothing: what llama-server appends when it continues a
+    # trailing assistant message (`content` joins them by newlines, as its templates get them). None for string
+    # content.
+    unjoined_text: str | None = None
 
 
 @dataclass
@@ -96,14 +100,24 @@ def _boolean(body: Mapping[str, Any], key: str, default: bool | None) -> bool | 
     return value
 
 
+def _text_parts(content: Any) -> list[str] | None:
+    """The texts of an array of {"type": "text"} parts (other parts are skipped); None for any other content."""
+    if not isinstance(content, list):
+        return None
+    return [part["text"] for part in content
+            if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)]
+
+
 def _content_text(content: Any) -> str:
-    """String content as is; an array of {"type":"text"} parts joined; anything else reads as empty."""
+    """String content as is; an array of text parts joined by newlines, as llama-server joins them for a
+    template that takes string content (a newline before each part but the first non-empty one); anything
+    else reads as empty."""
     if isinstance(content, str):
         return content
-    if isinstance(content, list):
-        return "".join(part["text"] for part in content
-                       if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str))
-    return ""
+    text = ""
+    for part in _text_parts(content) or []:
+        text = f"{text}\n{part}" if text else part
+    return text
 
 
 def _parse_tool_calls(index: int, raw: Any) -> list[dict] | None:
@@ -152,6 +166,7 @@ def _parse_message(index: int, raw: Any) -> Message:
         tool_calls=tool_calls or None,
         tool_call_id=raw.get("tool_call_id") if isinstance(raw.get("tool_call_id"), str) else None,
         name=raw.get("name") if isinstance(raw.get("name"), str) else None,
+        unjoined_text="".join(parts) if (parts := _text_parts(raw.get("content"))) is not None else None,
     )
 
 

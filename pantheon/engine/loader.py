@@ -98,13 +98,15 @@ def warm_prefill(model: Any, state: Any = None) -> None:
     """The prefill half of the warm-up (see `_warm_up`): the sampler's and the repetition detector's compiled
     helpers, a 40-token and a 2-token prefill (into slots 0 and 1 of `state`, else of a new one)."""
     from pantheon.engine.repetition import RepetitionDetector
-    from pantheon.engine.sampling import Sampler, SamplingParams, _nucleus_pick, _sample_top_k, sample_rows, top_k
+    from pantheon.engine.sampling import (Sampler, SamplingParams, _draw, _kept, _sample_top_k, sample_rows,
+                                         top_k)
     from pantheon.models.base import BatchRow
 
     RepetitionDetector().push(0)
     top_k(np.zeros(4, dtype=np.float32), 2)
-    _sample_top_k(np.zeros(4, dtype=np.float32), 2, 1.0, 0.9, 0.5)
-    _nucleus_pick(np.full(4, 0.25), 1.0, 0.9, 0.5)
+    _sample_top_k(np.zeros(4, dtype=np.float32), 2, 1.0, 0.9, 0.05, 0.5)
+    _draw(np.zeros(4, dtype=np.float32), 1.0, 0.5)
+    _kept(np.zeros(4), 4.0, 0.9, 0.05)
     for rows in (1, 2):  # the batched pick, on one thread and over the threads
         greedy = [(row, Sampler(SamplingParams(temperature=0.0), 4), None) for row in range(rows)]
         sample_rows(np.zeros((rows, 4), dtype=np.float32), greedy)

@@ -1,4 +1,4 @@
-"""Token sampling: logit processors (bias, penalties), temperature, top-k, top-p, seeded RNG, logprobs.
+"""Token sampling: logit processors (bias, penalties), top-k, top-p, min-p, temperature, seeded RNG, logprobs.
 
 Runs on one sequence's logits row (float32, vocab-sized) in the forward worker thread. Greedy when
 temperature <= 0. The RNG is per sequence (numpy PCG64 seeded from `seed`), so a seeded request reproduces
@@ -21,7 +21,7 @@ class SamplingParams:
     top_p: float = 0.95
     top_k: int = 40
     # Tokens less likely than min_p times the most likely one are never drawn (llama.cpp's and vLLM's min_p;
-    # on the scores before temperature, as llama.cpp's sampler chain applies it). 0 = off.
+    # after top-k and top-p and before the temperature, where llama.cpp's sampler chain applies it). 0 = off.
     min_p: float = 0.0
     seed: int | None = None
     presence_penalty: float = 0.0
@@ -99,46 +99,70 @@ def top_k(scores: np.ndarray, k: int) -> np.ndarray:
 
 
 @numba.njit(cache=True, nogil=True)
-def _sample_top_k(scores: np.ndarray, k: int, temperature: float, top_p: float, uniform: float) -> int:
-    """A token from softmax(scores / temperature) over the k best scores, cut to the top_p nucleus when
-    0 < top_p < 1 (the fewest best tokens whose probability reaches top_p), by inverse CDF with one uniform
-    draw in [0, 1): the numpy steps it replaces cost ~50 us a row in call overheads alone."""
-    ids = top_k(scores, k)
-    n = ids.size
-    if n == 0:
-        return -1  # every score is -inf
-    probs = np.empty(n, dtype=np.float64)
-    first = np.float64(scores[ids[0]]) / temperature
-    total = 0.0
-    for i in range(n):
-        probs[i] = np.exp(np.float64(scores[ids[i]]) / temperature - first)
-        total += probs[i]
-    return ids[_nucleus_pick(probs, total, top_p, uniform)]
-
-
-@numba.njit(cache=True, nogil=True)
-def _nucleus_pick(probs: np.ndarray, total: float, top_p: float, uniform: float) -> int:
-    """The index of the token drawn from weights `probs` (of a distribution summing to `total`; best first when
-    top_p cuts): cut to the fewest leading entries whose share reaches top_p when 0 < top_p < 1, then inverse
-    CDF over the kept ones with one uniform draw in [0, 1) (what Generator.choice(p=...) does)."""
-    keep = probs.size
+def _kept(ranked: np.ndarray, total: float, top_p: float, min_p: float) -> int:
+    """How many of the best candidates llama.cpp's sampler chain keeps after top-k: `ranked` holds the best
+    scores, best first (all of the candidates, or a prefix of them), and `total` the sum of exp(score - best)
+    over all of them. top_p (0 < top_p < 1) keeps the fewest whose share of that softmax reaches it; min_p
+    (> 0) then those at least min_p times as likely as the best. Both on the scores as they are: llama.cpp
+    applies the temperature after them, so it reshapes the draw among the kept tokens, never which are kept."""
+    keep = ranked.size
+    best = np.float64(ranked[0])
     if 0.0 < top_p < 1.0:
         cumulative = 0.0
-        for i in range(probs.size):
-            cumulative += probs[i] / total
+        for i in range(ranked.size):
+            cumulative += np.exp(np.float64(ranked[i]) - best) / total
             if cumulative >= top_p:
                 keep = i + 1
                 break
-    kept = 0.0
-    for i in range(keep):
-        kept += probs[i]
-    target = uniform * kept
+    if min_p > 0.0:
+        threshold = best + np.log(min_p)
+        while keep > 1 and np.float64(ranked[keep - 1]) < threshold:
+            keep -= 1
+    return keep
+
+
+@numba.njit(cache=True, nogil=True)
+def _draw(scores: np.ndarray, temperature: float, uniform: float) -> int:
+    """The index drawn from softmax(scores / temperature) by inverse CDF with one uniform draw in [0, 1)
+    (what Generator.choice(p=...) does); -inf scores are never drawn."""
+    top = -np.inf
+    for i in range(scores.size):
+        if scores[i] > top:
+            top = np.float64(scores[i])
+    weights = np.empty(scores.size, dtype=np.float64)
+    total = 0.0
+    for i in range(scores.size):
+        weights[i] = np.exp((np.float64(scores[i]) - top) / temperature)
+        total += weights[i]
+    target = uniform * total
     cumulative = 0.0
-    for i in range(keep):
-        cumulative += probs[i]
+    for i in range(scores.size):
+        cumulative += weights[i]
         if cumulative > target:
             return i
-    return keep - 1
+    last = scores.size - 1
+    while last > 0 and weights[last] == 0.0:
+        last -= 1
+    return last
+
+
+@numba.njit(cache=True, nogil=True)
+def _sample_top_k(scores: np.ndarray, k: int, temperature: float, top_p: float, min_p: float,
+                  uniform: float) -> int:
+    """A token drawn as llama.cpp's default sampler chain draws it: the k best scores, then top_p and min_p
+    over their softmax (`_kept`), then the temperature over what is left and one inverse-CDF draw with
+    `uniform`; -1 when every score is -inf. One compiled call: the numpy steps it replaces cost ~50 us a row
+    in call overheads alone."""
+    ids = top_k(scores, k)
+    if ids.size == 0:
+        return -1
+    ranked = np.empty(ids.size, dtype=np.float64)
+    total = 0.0
+    for i in range(ids.size):
+        ranked[i] = scores[ids[i]]
+        total += np.exp(ranked[i] - ranked[0])
+    keep = _kept(ranked, total, top_p, min_p)
+    return ids[_draw(ranked[:keep], temperature, uniform)]
 
 
 @numba.njit(cache=True, nogil=True)
@@ -195,7 +219,7 @@ def _argmax(scores: np.ndarray) -> int:
 
 
 # Columns of `_pick_rows`' table: one row per sampled logits row.
-_ROW, _GREEDY, _TOP_K, _TEMPERATURE, _TOP_P, _UNIFORM = range(6)
+_ROW, _GREEDY, _TOP_K, _TEMPERATURE, _TOP_P, _MIN_P, _UNIFORM = range(7)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -208,7 +232,7 @@ def _pick_row(logits, table, i, vocab, bias_ids, bias_values, bias_ends, out):
         out[i] = _argmax(scores)
     else:
         out[i] = _sample_top_k(scores, int(table[i, _TOP_K]), table[i, _TEMPERATURE], table[i, _TOP_P],
-                               table[i, _UNIFORM])
+                               table[i, _MIN_P], table[i, _UNIFORM])
 
 
 @numba.njit(cache=True, nogil=True)
@@ -285,9 +309,9 @@ class Sampler:
         # Whether `sample_rows` may take this sampler's rows in its batched call: no penalties, no logprobs,
         # greedy or top-k (the other cases need the whole distribution); and its columns of that call's table.
         self.plain = (params.top_logprobs is None and not params.presence_penalty and not params.frequency_penalty
-                      and (params.greedy or (0 < params.top_k < vocab_size and not params.min_p)))
+                      and (params.greedy or 0 < params.top_k < vocab_size))
         self._spec = (1.0 if params.greedy else 0.0, float(params.top_k), float(params.temperature),
-                      float(params.top_p))
+                      float(params.top_p), float(params.min_p))
 
     def _record(self, token: int) -> None:
         self._counts[token] = self._counts.get(token, 0) + 1
@@ -331,45 +355,42 @@ class Sampler:
         return result
 
     def _sample_stochastic(self, scores: np.ndarray) -> int:
+        """llama.cpp's default chain: top-k, top-p, min-p on the scores as they are, then the temperature over
+        the tokens left (`_kept`); its sampler does the same, so that a high temperature flattens the draw among
+        the nucleus instead of widening the nucleus to tokens top_p exists to cut."""
         p = self.params
-        if p.min_p > 0.0:
-            # Off the draw only: the logprobs report the distribution before it. max + log(min_p) is -inf only
-            # when every score is (then nothing is allowed either way).
-            threshold = np.float32(np.max(scores) + np.log(p.min_p))
-            scores = np.where(scores >= threshold, scores, np.float32(-np.inf))
         if 0 < p.top_k < scores.size:
-            # The k best, best first; softmax over them alone, then top-p over that; one compiled call.
-            token = int(_sample_top_k(scores, int(p.top_k), float(p.temperature), float(p.top_p), self._rng.random()))
+            token = int(_sample_top_k(scores, int(p.top_k), float(p.temperature), float(p.top_p), float(p.min_p),
+                                      self._rng.random()))
             if token < 0:
                 raise NoTokenAllowed()
             return token
-        candidates, probs = self._full_distribution(scores)  # probs are shares of the whole distribution
-        return int(candidates[_nucleus_pick(probs, 1.0, float(p.top_p), self._rng.random())])
+        candidates = self._candidates(scores)
+        return int(candidates[_draw(scores[candidates], float(p.temperature), self._rng.random())])
 
-    def _full_distribution(self, scores: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Without top-k: the softmax over every finite score. With top-p only its best candidates are needed,
-        best first: the k best for k = 64, then 512, until they hold top_p of the probability, else a full
-        sort (~5 ms over this vocabulary, so only for flat distributions). Without top-p, every token, in
-        vocabulary order."""
+    def _candidates(self, scores: np.ndarray) -> np.ndarray:
+        """Without top-k: the ids top-p and min-p keep of every finite score. top-p needs the best ones in
+        order: the k best for k = 64, then 512, until they hold top_p of the probability, else a full sort
+        (~5 ms over this vocabulary, so only for flat distributions). min-p alone keeps those above its
+        threshold, in vocabulary order, as does neither (every finite score)."""
         p = self.params
         finite = np.flatnonzero(np.isfinite(scores))
         if finite.size == 0:
             raise NoTokenAllowed()
-        scaled = scores[finite].astype(np.float64) / p.temperature
-        weights = np.zeros(scores.size)  # by token id: exp(score / temperature - max), 0 where not finite
-        weights[finite] = np.exp(scaled - scaled.max())
-        total = weights.sum()
+        best = np.float64(scores[finite].max())
         if not 0.0 < p.top_p < 1.0:
-            return finite, weights[finite] / total
+            if p.min_p > 0.0:
+                return finite[scores[finite] >= best + np.log(p.min_p)]
+            return finite
+        total = float(np.exp(scores[finite].astype(np.float64) - best).sum())
         for k in (64, 512):
             if k >= finite.size:
                 break
-            candidates = top_k(scores, k)
-            probs = weights[candidates] / total
-            if probs.sum() >= p.top_p:
-                return candidates, probs
-        order = finite[np.argsort(-scaled, kind="stable")]
-        return order, weights[order] / total
+            ranked = top_k(scores, k)
+            if np.exp(scores[ranked].astype(np.float64) - best).sum() >= p.top_p * total:
+                return ranked[:_kept(scores[ranked].astype(np.float64), total, p.top_p, p.min_p)]
+        ranked = finite[np.argsort(-scores[finite], kind="stable")]
+        return ranked[:_kept(scores[ranked].astype(np.float64), total, p.top_p, p.min_p)]
 
 
 @dataclass
@@ -379,7 +400,7 @@ class _PickPlan:
 
     rows: tuple[int, ...]
     samplers: tuple[Sampler, ...]
-    table: np.ndarray  # float64 (n, 6): the columns _ROW .. _UNIFORM
+    table: np.ndarray  # float64 (n, 7): the columns _ROW .. _UNIFORM
     bias_ids: np.ndarray
     bias_values: np.ndarray
     bias_ends: np.ndarray
