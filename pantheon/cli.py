@@ -14,17 +14,20 @@ from pantheon.config import (
     DEFAULT_PORT,
     ModelOptions,
     ServeOptions,
+    default_model_name,
+    model_file_path,
     read_env,
 )
 
 
 def _model_spec(spec: str) -> tuple[Path, str]:
     """PATH or PATH:NAME. A path that exists as given wins, so paths containing ':' still work."""
-    path = Path(spec).expanduser()
+    path = model_file_path(spec)
     if path.exists() or ":" not in spec:
-        return path, path.name.removesuffix(".gguf")
+        return path, default_model_name(path)
     raw_path, name = spec.rsplit(":", 1)
-    return Path(raw_path).expanduser(), name or Path(raw_path).name.removesuffix(".gguf")
+    path = model_file_path(raw_path)
+    return path, name or default_model_name(path)
 
 
 def _add_model_flags(parser: argparse.ArgumentParser, *, defaults: bool) -> None:

@@ -130,6 +130,21 @@ def read_env(environ: Mapping[str, str] | None = None) -> EnvKnobs:
     )
 
 
+def model_file_path(raw: str) -> Path:
+    """A model path as given, `~` and `~user` expanded; a `~user` the system does not know stays as written
+    (and is then a file not found, not an exception)."""
+    try:
+        return Path(raw).expanduser()
+    except RuntimeError:
+        return Path(raw)
+
+
+def default_model_name(path: Path) -> str:
+    """The served id of a model loaded without a name: its file's basename (`/models/a.gguf` serves as
+    `a.gguf`), as the API reference's load route defines it, on the command line too."""
+    return path.name
+
+
 @dataclass(frozen=True)
 class ModelOptions:
     """Per-model options: the same set from `--model` flags and from POST /admin/models/load."""

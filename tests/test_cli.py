@@ -26,15 +26,17 @@ def test_model_options_merge_defaults_and_own_flags(tmp_path: Path) -> None:
     a = cli._model_options(args, *specs[0], env=None)
     b = cli._model_options(args, *specs[1], env=None)
     assert (a.name, a.ctx_cap, a.max_sessions, a.quantize) == ("a", 512, 2, False)
-    assert (b.name, b.ctx_cap, b.max_sessions, b.quantize) == ("b", 128, 0, True)
+    assert (b.name, b.ctx_cap, b.max_sessions, b.quantize) == ("b.gguf", 128, 0, True)
 
 
 def test_model_spec_with_and_without_name(tmp_path: Path) -> None:
     f = tmp_path / "x:y.gguf"
     f.write_bytes(b"")
-    assert cli._model_spec(str(f)) == (f, "x:y")  # an existing path with ':' is a path
+    assert cli._model_spec(str(f)) == (f, "x:y.gguf")  # an existing path with ":" is a path
     assert cli._model_spec("/no/such.gguf:name") == (Path("/no/such.gguf"), "name")
-    assert cli._model_spec("/no/such.gguf") == (Path("/no/such.gguf"), "such")
+    assert cli._model_spec("/no/such.gguf") == (Path("/no/such.gguf"), "such.gguf")  # the basename, as the load route
+    # A ~user the system does not know is no exception: the path as written, a file not found at load.
+    assert cli._model_spec("~no_such_user_zq/a.gguf") == (Path("~no_such_user_zq/a.gguf"), "a.gguf")
 
 
 def test_cpu_int8_is_the_default_and_zero_selects_float() -> None:

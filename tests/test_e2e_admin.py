@@ -462,9 +462,25 @@ def test_load_of_a_loaded_name_is_409_load_failed(main_clean: ServerProcess, def
     assert set(rows) == {"a", "b"} and rows["a"]["context_window"] == 256  # the loaded one is untouched
 
 
-@pytest.mark.parametrize("path", [MISSING, "relative/missing.gguf", "/tmp/" + "x" * 300 + ".gguf"])
+@pytest.mark.parametrize("path", [MISSING, "relative/missing.gguf", "/tmp/" + "x" * 300 + ".gguf",
+                                  "~no_such_user_zq/model.gguf"])
 def test_load_of_a_missing_file_is_404_load_failed(main_clean: ServerProcess, path: str) -> None:
     assert_error(load(main_clean, {"path": path, "name": "m"}), 404, "load_failed")  # a name too long included
+    assert set(admin_rows(main_clean)) == {"a", "b"}
+
+
+def test_load_of_a_file_that_cannot_be_read_is_500_load_failed(main_clean: ServerProcess) -> None:
+    # /proc/self/mem is a regular file whose reads fail (EIO): an OSError of the load, not an internal error.
+    error = assert_error(load(main_clean, {"path": "/proc/self/mem", "name": "m"}), 500, "load_failed")
+    assert "/proc/self/mem" in error["message"]
+    assert set(admin_rows(main_clean)) == {"a", "b"}
+
+
+def test_a_load_without_a_name_serves_the_files_basename(main_clean: ServerProcess, tiny2: Path) -> None:
+    """The spec's `name`: "defaults to file basename"."""
+    assert load_ok(main_clean, {"path": str(tiny2)})["id"] == "tiny2.gguf"
+    assert chat_ok(main_clean, {**HELLO, "model": "tiny2.gguf"})["model"] == "tiny2.gguf"
+    unload_ok(main_clean, "tiny2.gguf")
     assert set(admin_rows(main_clean)) == {"a", "b"}
 
 

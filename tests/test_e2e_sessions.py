@@ -120,6 +120,28 @@ def poisoned(blob: bytes, value: float) -> bytes:
     return sealed(bytes(body))
 
 
+def widened(blob: bytes, value: float) -> bytes | None:
+    """The same float16 state written as float32 (the precision a float32 server exports), with the first value
+    of its first array set to `value`, and a correct checksum; None when the blob's state is not float16."""
+    body = blob[:-32]
+    magic, version, header_len = _PREFIX.unpack_from(body, 0)
+    header = json.loads(body[_PREFIX.size:_PREFIX.size + header_len])
+    if any(np.dtype(spec["dtype"]) != np.float16 for spec in header["arrays"]):
+        return None
+    at = _PREFIX.size + header_len + 4 * header["n_tokens"]
+    arrays = []
+    for spec in header["arrays"]:
+        count = int(np.prod(spec["shape"]))
+        arrays.append(np.frombuffer(body, np.float16, count, at).astype(np.float32))
+        at += 2 * count
+        spec["dtype"] = "<f4"
+    arrays[0][0] = value
+    header_bytes = json.dumps(header, separators=(",", ":")).encode()
+    start = _PREFIX.size + header_len
+    return sealed(_PREFIX.pack(magic, version, len(header_bytes)) + header_bytes
+                  + body[start:start + 4 * header["n_tokens"]] + b"".join(a.tobytes() for a in arrays))
+
+
 def _first_array(key: str, value: Any) -> Callable[[dict[str, Any]], None]:
     return lambda header: header["arrays"][0].__setitem__(key, value)
 
@@ -469,6 +491,9 @@ def _rejections(snap: dict[str, Any]) -> list[tuple[str, dict[str, Any] | bytes,
     # A state value made NaN or inf (its turns would sample from NaN logits, and fail the rows batched with them).
     for value in (float("nan"), float("inf"), float("-inf")):
         cases.append((f"forged-state-{value}", {**good, "blob": b64(poisoned(blob, value))}, 400, "bad_session_blob"))
+    # Finite as float32, but past float16's range: the float16 state it is converted into would hold an inf.
+    if (past_float16 := widened(blob, 1e6)) is not None:
+        cases.append(("forged-state-past-float16", {**good, "blob": b64(past_float16)}, 400, "bad_session_blob"))
     for cut in (0, 10, 16, len(blob) // 2, len(blob) - 33, len(blob) - 1):
         cases.append((f"truncated-{cut}", {**good, "blob": b64(blob[:cut])}, 400, "bad_session_blob"))
     rng = random.Random(1234)

@@ -7,6 +7,7 @@ parsed by the dialect's parser, which must find exactly the one call.
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 from pathlib import Path
@@ -377,6 +378,41 @@ def test_minicpm_required_named_function(vocab: Vocab) -> None:
         minicpm_call_grammar(MINICPM, OPENCODE_LIKE, function="nope")
     with pytest.raises(ValueError):
         minicpm_call_grammar(QWEN, OPENCODE_LIKE)
+
+
+STRING_LIMITS = [  # (string schema, values that meet it, values that do not)
+    ({"maxLength": 3}, ["abc", "", "a\nb"], ["abcd"]),
+    ({"minLength": 2, "maxLength": 3.0}, ["ab", "xyz"], ["a", "long"]),
+    ({"pattern": "^[0-9]{3}$"}, ["123"], ["12a", "1234"]),
+    ({"pattern": "ab"}, ["ab", "xxabyy"], ["xxa"]),  # a search, as JSON schema reads it
+    ({"pattern": "^https?://"}, ["https://x.org/a/b"], ["ftp://x"]),
+    ({"pattern": "[0-9]$", "maxLength": 4}, ["ab1"], ["ab1x", "abcd1"]),
+    ({"format": "uuid"}, ["123e4567-e89b-12d3-a456-426614174000"], ["not-a-uuid"]),
+    ({"format": "date"}, ["2024-02-29"], ["2024-13-01", "yesterday"]),
+    ({"format": "date-time"}, ["2024-01-02T03:04:05.5+01:00"], ["2024-01-02 noon"]),
+    ({"format": "uri"}, ["anything at all"], []),  # a format without a regex here stays free text
+]
+
+
+def _one_string_tool(schema: dict) -> list:
+    return parse_tools([_tool("w", {"c": {"type": "string", **schema}}, ["c"])])
+
+
+@pytest.mark.parametrize(("schema", "good", "bad"), STRING_LIMITS)
+def test_xml_text_values_meet_their_string_constraints(vocab: Vocab, schema: dict, good: list[str],
+                                                       bad: list[str]) -> None:
+    """An XML value is the string itself, so minLength / maxLength / pattern / format hold its text as written,
+    in both XML dialects' grammars, and the parsers read back exactly that string."""
+    tools = _one_string_tool(schema)
+    qwen, minicpm = tool_call_grammar(QWEN, tools, mode="required"), minicpm_call_grammar(MINICPM, tools)
+    for value in good + bad:
+        expected = "accept" if value in good else "reject"
+        assert vocab.run(qwen, xml_call("w", [("c", value)])) == expected, (schema, value)
+        assert vocab.run(minicpm, f'<function name="w"><param name="c">{value}</param></function>') == expected
+    for value in good:
+        parser = QWEN.parser(tools)
+        ends = [e for e in parser.feed(xml_call("w", [("c", value)])) + parser.finish() if isinstance(e, CallEnd)]
+        assert [json.loads(e.arguments) for e in ends] == [{"c": value}]
 
 
 def test_grammar_arguments_are_checked() -> None:

@@ -101,6 +101,22 @@ def _array_spec(spec: Any) -> tuple[str, np.dtype, tuple[int, ...]]:
     return name, dtype, shape
 
 
+def in_precision(snap: Snapshot, dtype: np.dtype) -> Snapshot:
+    """`snap` with its float arrays in `dtype`, the precision the model keeps its state in (a blob saved from
+    float32 state restores into float16, as that prefill would have rounded it). A value finite in the blob
+    but past `dtype`'s range (1e6 into float16) would become inf there, and a NaN the step after: BadBlob."""
+    arrays = []
+    for name, array in snap.arrays:
+        if array.dtype.kind == "f" and array.dtype != dtype:
+            with np.errstate(over="ignore"):
+                array = array.astype(dtype)
+            if not np.isfinite(array).all():
+                raise BadBlob(f"array {name} holds values past the range of this model's {dtype} state")
+        arrays.append((name, array))
+    snap.arrays = arrays
+    return snap
+
+
 def decode(blob: bytes, *, architecture: str, dims: dict[str, Any], weights_version: int) -> Snapshot:
     if len(blob) < _PREFIX.size + _DIGEST_BYTES:
         raise BadBlob("blob is truncated (shorter than its fixed header)")

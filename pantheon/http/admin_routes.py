@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
-from pantheon.config import MAX_MODEL_DIES, ModelOptions
+from pantheon.config import MAX_MODEL_DIES, ModelOptions, default_model_name, model_file_path
 from pantheon.errors import ApiError, invalid_request
 from pantheon.http.asgi import Receive, Send, parse_json_body, read_body, send_json
 from pantheon.sched.manager import ModelManager, load_failed
@@ -34,7 +33,7 @@ def load_options(body: Any) -> ModelOptions:
         raise load_failed(404, f"model file not found: {path} (a path ending in '/' names a directory)")
     name = body.get("name")
     if name is None or name == "":
-        name = Path(path).name.removesuffix(".gguf")
+        name = default_model_name(model_file_path(path))
     elif not isinstance(name, str):
         raise invalid_request("'name' must be a string")
     dies = body.get("dies")
@@ -47,7 +46,7 @@ def load_options(body: Any) -> ModelOptions:
     quantize = body.get("quantize", False)
     if not isinstance(quantize, bool):
         raise invalid_request("'quantize' must be a boolean")
-    return ModelOptions(path=Path(path).expanduser(), name=name, ctx_cap=_optional_int(body, "ctx_cap"),
+    return ModelOptions(path=model_file_path(path), name=name, ctx_cap=_optional_int(body, "ctx_cap"),
                         max_sessions=_optional_int(body, "max_sessions"),
                         max_concurrent=_optional_int(body, "max_concurrent"),
                         reasoning_budget=_optional_int(body, "reasoning_budget"), dies=tuple(dies),

@@ -146,6 +146,15 @@ class ModelManager:
                 raise load_failed(500, str(exc)) from None
             except MemoryError:
                 raise load_failed(507, "out of memory while loading the model") from None
+            except OSError as exc:  # unreadable: no permission, a device or /proc file that refuses reads
+                raise load_failed(500, f"cannot read the model file {options.path}: "
+                                  f"{exc.strerror or type(exc).__name__}") from None
+            except ApiError:
+                raise
+            except Exception as exc:  # a file the readers choke on in a way they do not name: still the load's
+                log.exception("loading %s from %s failed", options.name, options.path)
+                raise load_failed(500, f"the model file {options.path} could not be loaded: "
+                                  f"{type(exc).__name__}: {exc}") from None
             weights = sum(t.nbytes for t in served.gguf.tensors.values())
             state = served.model.state_bytes(slot_count(options), served.ctx_cap)
             budget = self._budget_bytes()

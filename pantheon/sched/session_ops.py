@@ -70,8 +70,9 @@ async def restore_session(scheduler: Scheduler, session_id: str, blob: bytes, to
     model = served.model
 
     def parse() -> snapshot.Snapshot:
-        return snapshot.decode(blob, architecture=served.architecture, dims=model.state_dims(),
+        snap = snapshot.decode(blob, architecture=served.architecture, dims=model.state_dims(),
                                weights_version=served.weights_version)
+        return snapshot.in_precision(snap, model.state_dtype)
 
     try:
         snap = await trio.to_thread.run_sync(parse)
@@ -111,10 +112,9 @@ async def restore_session(scheduler: Scheduler, session_id: str, blob: bytes, to
                        headers={"Retry-After": "30"})
 
     def write() -> None:
-        # A blob saved with another KV precision (float32 vs float16: PANTHEON_CPU_INT8, or another backend)
-        # is converted to this model's, as its own prefill would have rounded it.
-        arrays = [(name, a.astype(model.state_dtype, copy=False)) for name, a in state_arrays]
-        model.write_slot(scheduler.state, slot.index, arrays, n)
+        # The arrays are in this model's state precision already (`in_precision`: a blob saved with another,
+        # float32 vs float16 by PANTHEON_CPU_INT8 or another backend, was converted in `parse`).
+        model.write_slot(scheduler.state, slot.index, state_arrays, n)
 
     try:
         # On the forward thread, between steps: a decode step already running may still write (and drop) a

@@ -4,7 +4,8 @@
 one well-formed call, after optional whitespace) or an "auto" grammar (free text in which every call, once
 its opener appears, must be well formed; any number of calls). Arguments follow the tool's schema: every
 required key (required keys first, then the optional ones, each in schema order), text values free except
-for the closing tag, integers, numbers and booleans by regex, objects, arrays and non-text enums through
+for the closing tag (held to their string schema's minLength, maxLength, pattern and common formats where it
+sets them: `_xml_text`), integers, numbers and booleans by regex, objects, arrays and non-text enums through
 llguidance's `%json`. In the JSON dialect's "auto" grammar only a ```json fence opens a constrained call: a
 bare object cannot be told from text at its first byte, so it stays free text (the parser still reads it).
 `minicpm_call_grammar` writes the "required" grammar of MiniCPM's attribute XML, which has no "auto" one.
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 import json
+import re
 from typing import Any
 
 from pantheon.chat.tools.arguments import resolved_schema, schema_types
@@ -111,7 +113,11 @@ def _minicpm_required(tools: list[ToolSpec], mode: str, prelude: str) -> str:
         for j, (key, schema, required) in enumerate(_arguments_in_order(tool)):
             value = _xml_value(schema, f"v_{i}_{j}", rules)
             opener = _lit(f'<param name="{key}">')
-            rules.append(f"p_{i}_{j}: WS? {opener} " + ("param_text" if value is None else f"{value} {close_param}"))
+            if value is None:  # free text up to </param>, or text held to the schema's string constraints
+                value = _xml_text(schema, f"t_{i}_{j}", "</param>", rules) or "param_text"
+            else:
+                value = f"{value} {close_param}"
+            rules.append(f"p_{i}_{j}: WS? {opener} {value}")
             parts.append(f"p_{i}_{j}" + ("" if required else "?"))
         rules.append(f"f_{i}: " + " ".join(parts) + f" WS? {close_call}")
     return "\n".join(rules) + "\n"
@@ -151,8 +157,9 @@ def _qwen_function(i: int, tool: ToolSpec, rules: list[str]) -> str:
     for j, (key, schema, required) in enumerate(_arguments_in_order(tool)):
         value = _xml_value(schema, f"v_{i}_{j}", rules)
         opener = _lit(f"<parameter={key}>\n")
-        if value is None:  # free text: the lazy value ends with the closing tag
-            rules.append(f'p_{i}_{j}: {opener} text_value "\\n"')
+        if value is None:  # free text, or text held to the schema's string constraints: ends with the closing tag
+            text = _xml_text(schema, f"t_{i}_{j}", "</parameter>", rules, newline=True) or "text_value"
+            rules.append(f'p_{i}_{j}: {opener} {text} "\\n"')
         else:
             rules.append(f'p_{i}_{j}: {opener} {value} "\\n</parameter>\\n"')
         parts.append(f"p_{i}_{j}" + ("" if required else "?"))
@@ -188,6 +195,85 @@ def _xml_value(schema: dict, name: str, rules: list[str]) -> str | None:
         return "(" + " | ".join(scalars[t] for t in types) + ")" if len(types) > 1 else scalars[types[0]]
     rules.append(f"{name}: %json {_dump(_json_schema(schema))}")
     return name
+
+
+# Regexes of the string formats an XML text value is held to (RFC 3339 dates and times, RFC 4122 UUIDs, dotted
+# IPv4, a plain address); a format not named here leaves the text free, as llguidance's lenient %json leaves one
+# it does not know.
+_DATE = r"[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])"
+_TIME = r"([01][0-9]|2[0-3]):[0-5][0-9]:([0-5][0-9]|60)(\.[0-9]+)?([Zz]|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
+_OCTET = r"(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
+_FORMATS = {
+    "date": _DATE,
+    "time": _TIME,
+    "date-time": f"{_DATE}[Tt ]{_TIME}",
+    "uuid": r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}",
+    "ipv4": rf"({_OCTET}\.){{3}}{_OCTET}",
+    "email": r"[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(\.[A-Za-z0-9-]+)+",
+}
+
+
+def _xml_text(schema: dict, name: str, close: str, rules: list[str], *, newline: bool = False) -> str | None:
+    """The rule of a text value held to its string schema's `minLength`, `maxLength`, `pattern` and `format`,
+    its closing tag `close` included (after a line break with `newline`), as the free text's rule has it; None
+    when the schema sets none of them or admits other types. An XML value is the string itself, unquoted and
+    unescaped, so the constraints apply to the text as written: one lexeme, the intersection of their regexes
+    and of "no closing tag inside" (the parsers end the value at the first one)."""
+    if schema_types(schema) != ["string"]:
+        return None
+    parts = []
+    low, high = _count(schema.get("minLength")), _count(schema.get("maxLength"))
+    if low or high is not None:
+        parts.append(f"/(?s:.{{{low or 0},{'' if high is None else high}}})/")
+    pattern = schema.get("pattern")
+    if isinstance(pattern, str) and pattern:
+        parts.append(f"/{_regex_literal(_search(pattern))}/")
+    if schema.get("format") in _FORMATS:
+        parts.append(f"/{_regex_literal(_FORMATS[schema['format']])}/")
+    if not parts:
+        return None
+    tag = _regex_literal(re.escape(close))
+    parts.append(f"~/(?s:.*){tag}(?s:.*)/")
+    line_break = r"\n" if newline else ""
+    rules.append(f"{name}[lazy]: ({' & '.join(parts)}) /{line_break}{tag}/")
+    return name
+
+
+def _count(value: Any) -> int | None:
+    """A length bound: a non-negative integer (1.0 reads as 1), else None."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or not float(value).is_integer():
+        return None
+    return int(value)
+
+
+def _search(pattern: str) -> str:
+    """A JSON schema `pattern` (a search: it may match anywhere in the string unless anchored) as a regex the
+    whole text must match: a leading ^ and a trailing unescaped $ are the anchors they are; an end without
+    one is left open."""
+    start = pattern.startswith("^")
+    body = pattern[1:] if start else pattern
+    end = False
+    if body.endswith("$"):
+        backslashes = len(body) - 1 - len(body[:-1].rstrip("\\"))
+        if backslashes % 2 == 0:
+            end, body = True, body[:-1]
+    return ("" if start else "(?s:.*)") + f"(?:{body})" + ("" if end else "(?s:.*)")
+
+
+def _regex_literal(regex: str) -> str:
+    """`regex` inside a Lark /.../ literal: its slashes escaped, its line breaks written as escapes."""
+    out, escaped = [], False
+    for ch in regex:
+        if ch == "/" and not escaped:
+            out.append("\\/")
+        elif ch == "\n":
+            out.append("\\n")
+        elif ch == "\r":
+            out.append("\\r")
+        else:
+            out.append(ch)
+        escaped = ch == "\\" and not escaped
+    return "".join(out)
 
 
 def _int_regex(schema: dict) -> str:
