@@ -772,6 +772,30 @@ def test_watch_holds_a_session_and_releases_it_after_the_grace(default_model_pat
         s.stop()
 
 
+def test_a_grace_that_ends_during_a_turn_releases_the_session_after_it(default_model_path: Path,
+                                                                       tmp_path: Path) -> None:
+    """The grace is up while a turn of the session runs: the session goes once the turn has ended (it stayed
+    until the idle timeout, 12 h by default)."""
+    s = start_server(default_model_path, tmp_path, env={"PN_SESSION_WATCH_GRACE_MS": "300"})
+    try:
+        chat(s, req(FRANCE, max_tokens=2, session_id="g"))
+        w = Watch(s, "session_id=g")
+        assert w.status == 200, w.head
+        w.close()
+        began = time.monotonic()
+        # Every end token forbidden: hundreds of tokens (until the repetition detector ends it, ~300), well past
+        # the grace on any machine these tests run on.
+        body = chat(s, req([{"role": "user", "content": "Tell me a long story."}], max_tokens=400, session_id="g",
+                           logit_bias={str(t): -100 for t in (0, 1, 2)}))
+        took = time.monotonic() - began
+        assert took > 0.6, (body["usage"], took)
+        exported(s, "g")  # the turn kept it past the grace ...
+        time.sleep(1.0)
+        assert_error(export(s, "g"), 404, "session_not_found")  # ... and it went right after
+    finally:
+        s.stop()
+
+
 def test_a_watch_ends_when_its_model_is_unloaded(default_model_path: Path, tmp_path: Path) -> None:
     """The session a watch holds goes with its model: the watch stream says so and ends, instead of hanging."""
     s = start_server(default_model_path, tmp_path)

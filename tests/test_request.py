@@ -130,6 +130,13 @@ def test_replayed_calls_take_json_text_or_an_object_as_arguments() -> None:
     {"messages": MSG, "seed": True}, {"messages": MSG, "session_id": 5}, {"messages": MSG, "prompt_cache_key": ["a"]},
     {"messages": MSG, "min_p": "x"}, {"messages": MSG, "parallel_tool_calls": "no"},
     {"messages": MSG, "cache_prompt": "false"},
+    # An alias of the wrong type is refused even where the field it stands for is given and wins.
+    {"messages": MSG, "max_tokens": 2, "max_completion_tokens": "x"},
+    {"messages": MSG, "reasoning_budget": 1, "max_reasoning_tokens": "x"},
+    {"messages": MSG, "session_id": "s", "prompt_cache_key": 5},
+    {"messages": MSG, "session_id": "s", "promptCacheKey": []},
+    *({"messages": [{"role": "assistant", "content": "a", key: 5}]}
+      for key in ("reasoning_content", "tool_call_id", "name")),
     # Replayed calls: OpenAI's shape (an object whose function has a name and JSON-text arguments).
     *({"messages": [{"role": "assistant", "content": None, "tool_calls": calls}]} for calls in (
         "x", [1], [{"id": "c"}], [{"function": "f"}], [{"function": {"arguments": "{}"}}],

@@ -155,17 +155,20 @@ def _parse_message(index: int, raw: Any) -> Message:
         # OpenAI's newer name for the system role (its SDKs send it for reasoning models); chat templates
         # know only "system", and would render it as a turn of its own beside their default system prompt.
         role = "system"
+    for key in ("reasoning_content", "tool_call_id", "name"):  # strings where given (null reads as absent)
+        if raw.get(key) is not None and not isinstance(raw[key], str):
+            raise invalid_request(f"messages[{index}].{key} must be a string")
     reasoning = raw.get("reasoning_content")
     if reasoning is None:
-        reasoning = raw.get("reasoning")  # other servers' spelling of the same field
+        reasoning = raw.get("reasoning")  # other servers' spelling of the same field (taken when a string)
     tool_calls = _parse_tool_calls(index, raw.get("tool_calls"))
     return Message(
         role=role,
         content=_content_text(raw.get("content")),
         reasoning_content=reasoning if isinstance(reasoning, str) and reasoning else None,
         tool_calls=tool_calls or None,
-        tool_call_id=raw.get("tool_call_id") if isinstance(raw.get("tool_call_id"), str) else None,
-        name=raw.get("name") if isinstance(raw.get("name"), str) else None,
+        tool_call_id=raw.get("tool_call_id"),
+        name=raw.get("name"),
         unjoined_text="".join(parts) if (parts := _text_parts(raw.get("content"))) is not None else None,
     )
 
@@ -205,13 +208,12 @@ def _parse_logit_bias(value: Any) -> dict[int, float]:
 
 
 def _session_key(body: Mapping[str, Any], header_session: str | None) -> str | None:
-    for key in ("session_id", "prompt_cache_key", "promptCacheKey"):
+    keys = ("session_id", "prompt_cache_key", "promptCacheKey")
+    for key in keys:  # every alias present is checked, the ones the first shadows too
         value = body.get(key)
         if value is not None and not isinstance(value, str):
             raise invalid_request(f"'{key}' must be a string")
-        if value:
-            return value
-    return header_session or None
+    return next((body[key] for key in keys if body.get(key)), None) or header_session or None
 
 
 def parse_chat_request(body: Any, *, header_session: str | None = None) -> ChatRequest:
@@ -232,10 +234,10 @@ def parse_chat_request(body: Any, *, header_session: str | None = None) -> ChatR
         # which names no model when several are loaded (404 model_not_found).
         model = orjson.dumps(model).decode()
 
-    max_tokens = _integer(body, "max_tokens", None)
+    # The alias is checked even where max_tokens wins: a field of the wrong type is a 400 wherever it is.
+    max_tokens, alias = _integer(body, "max_tokens", None), _integer(body, "max_completion_tokens", None)
     if max_tokens is None:
-        max_tokens = _integer(body, "max_completion_tokens", DEFAULT_MAX_TOKENS)
-    assert max_tokens is not None
+        max_tokens = alias if alias is not None else DEFAULT_MAX_TOKENS
     if max_tokens <= 0:
         max_tokens = 512
     max_tokens = min(max_tokens, MAX_TOKENS_CLAMP)
@@ -256,9 +258,9 @@ def parse_chat_request(body: Any, *, header_session: str | None = None) -> ChatR
 
     seed = _seed(body)
 
-    reasoning_budget = _integer(body, "reasoning_budget", None)
+    reasoning_budget, alias = _integer(body, "reasoning_budget", None), _integer(body, "max_reasoning_tokens", None)
     if reasoning_budget is None:
-        reasoning_budget = _integer(body, "max_reasoning_tokens", None)
+        reasoning_budget = alias
 
     response_format = body.get("response_format")
     if response_format is not None and not isinstance(response_format, dict):

@@ -58,6 +58,8 @@ FALLBACK_PREFILL_TOK_S = 100.0
 FALLBACK_DECODE_TOK_S = 20.0
 # Recurrent models: scheduling rounds a step waits for its consumers to read its tokens (`_let_consumers_catch_up`).
 CATCH_UP_ROUNDS = 4
+# How often a watch's grace, up while a turn of its session runs, looks whether the turn has ended.
+WATCH_RELEASE_POLL_S = 0.25
 
 
 @dataclass
@@ -312,12 +314,19 @@ class Scheduler:
         once a later watch has come and gone (it would release the session before the later grace is up)."""
         started = self._watch_graces[session_id] = self._watch_graces.get(session_id, 0) + 1
 
+        def void() -> bool:  # a later watch came (and maybe went): that one's grace decides
+            return self._watch_graces.get(session_id) != started or bool(self.sessions.watches.get(session_id))
+
         async def grace() -> None:
             await trio.sleep(grace_s)
+            # A turn running when the grace is up ends first; the session goes as soon as it has (it was kept
+            # until the idle timeout).
+            while self.session_busy(session_id) and not void():
+                await trio.sleep(WATCH_RELEASE_POLL_S)
             if self._watch_graces.get(session_id) != started:
                 return
             del self._watch_graces[session_id]
-            if not self.sessions.watches.get(session_id) and not self.session_busy(session_id):
+            if not self.sessions.watches.get(session_id):
                 self.sessions.release(session_id)
 
         assert self._nursery is not None, "the scheduler task is not running"
