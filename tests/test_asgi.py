@@ -1,4 +1,4 @@
-"""pantheon.http.asgi: reading a request body."""
+"""pantheon.http.asgi: reading a request body and its headers."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import trio
 
 from pantheon.errors import ApiError
-from pantheon.http.asgi import BODY_STALL_S, MAX_BODY_BYTES, parse_json_body, read_body
+from pantheon.http.asgi import BODY_STALL_S, MAX_BODY_BYTES, headers_of, parse_json_body, read_body
 
 
 async def test_a_body_sent_in_pieces_is_joined() -> None:
@@ -62,3 +62,10 @@ def test_a_leading_byte_order_mark_is_skipped() -> None:
         parse_json_body(b"\xef\xbb\xbf")
     with pytest.raises(ApiError):
         parse_json_body(b'{"a": 1}\xef\xbb\xbf')
+
+
+def test_header_values_read_as_utf8_else_latin1() -> None:
+    """A non-ASCII X-Session-Id names the same session as that id in a body (clients send UTF-8); bytes that are
+    not UTF-8 are still read, as latin-1."""
+    scope = {"headers": [(b"X-Session-Id", "café".encode()), (b"X-Other", b"caf\xe9")]}
+    assert headers_of(scope) == {"x-session-id": "café", "x-other": "café"}

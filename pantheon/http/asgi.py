@@ -31,8 +31,17 @@ BASE_HEADERS: list[tuple[bytes, bytes]] = [
 ]
 
 
+def _header_text(value: bytes) -> str:
+    """A header value as text: UTF-8, what clients send a non-ASCII session id as (so that "café" in the
+    X-Session-Id header is the session "café" of a body's session_id), else latin-1, HTTP's own reading."""
+    try:
+        return value.decode("utf-8")
+    except UnicodeDecodeError:
+        return value.decode("latin-1")
+
+
 def headers_of(scope: Mapping[str, Any]) -> dict[str, str]:
-    return {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+    return {k.decode("latin-1").lower(): _header_text(v) for k, v in scope.get("headers", [])}
 
 
 async def read_body(receive: Receive, limit: int = MAX_BODY_BYTES) -> bytes:
