@@ -330,6 +330,45 @@ def test_memory_ladder_clamps_and_recovers(default_model_path: Path, tmp_path: P
         server.stop()
 
 
+def test_a_queued_prompt_the_window_no_longer_fits_is_refused_when_its_turn_comes(default_model_path: Path,
+                                                                                  tmp_path: Path,
+                                                                                  end_ids: dict[str, int]) -> None:
+    """The ladder halves the window while a prompt waits in the queue: when a slot frees it is refused with 422
+    context_over_budget, as it would have been when it came, streamed or not (it ran past the window: 200 with
+    one token and kv_used over kv_cap)."""
+    meminfo = tmp_path / "meminfo"
+    write_meminfo(meminfo, 50)
+    server = start_server(default_model_path, tmp_path, "--max-concurrent", "1", "--ctx-cap", "1024",
+                          env={"PN_MEMINFO_PATH": str(meminfo), "PN_MEM_POLL_MS": "100"})
+    long_prompt = {"messages": [{"role": "user", "content": "word " * 600}], "temperature": 0, "max_tokens": 4}
+    try:
+        for stream in (False, True):
+            write_meminfo(meminfo, 50)
+            wait_for_entry(server, "context_window", 1024)
+            holder = Streamer(server, endless(end_ids, 8000)).start()
+            with streams(holder):
+                holder.wait_token()
+                answer: dict[str, httpx.Response] = {}
+                body = {**long_prompt, "stream": stream}
+
+                def send() -> None:
+                    with httpx.stream("POST", chat_url(server), json=body, timeout=120) as r:
+                        r.read()
+                        answer["r"] = r
+
+                sender = threading.Thread(target=send, daemon=True)
+                sender.start()
+                wait_queue_depth(server, 1)
+                write_meminfo(meminfo, 6)  # high: the window halved
+                wait_for_entry(server, "context_window", 512)
+                holder.close()  # the slot frees: the queued prompt's turn
+                sender.join(60)
+            error = assert_error(answer["r"], 422, "context_over_budget")
+            assert "kv_cap=512" in error["message"], error
+    finally:
+        server.stop()
+
+
 # -- drain ---------------------------------------------------------------------------------------------------
 
 def test_sigterm_drains_in_flight_streams_and_exits_0(default_model_path: Path, tmp_path: Path,

@@ -512,13 +512,14 @@ class Scheduler:
         while self._waiting and len(self._active) < self.max_concurrent:
             waiting = self._waiting[0]
             job = waiting.job
+            if len(job.prompt) >= self.kv_cap:  # the memory ladder cut the window while it waited: as at submit
+                self._refuse(self._waiting.popleft(), self.over_window(len(job.prompt)))
+                continue
             try:
                 assignment = self.sessions.assign(job.session_key, job.prompt, anchor=job.history_end,
                                                   reuse=job.cache_prompt)
             except ApiError as exc:  # the id's session capacity filled up while it waited
-                self._waiting.popleft()
-                self._send(waiting.events, ErrorEvent(exc))
-                waiting.events.close()
+                self._refuse(self._waiting.popleft(), exc)
                 continue
             if assignment is None:
                 return
