@@ -9,12 +9,15 @@ import numpy as np
 import pytest
 
 from pantheon.config import read_env
-from pantheon.engine.constraints import Controllers, GrammarController, ReasoningBudget, grammar_tokenizer
+from pantheon.engine.constraints import (Controllers, GrammarController, ReasoningBudget, ends_inside_a_character,
+                                         grammar_tokenizer)
 from pantheon.io.gguf_file import open_gguf
 from pantheon.io.tokenizer import Tokenizer
 
 CLOSE = [900, 901]
 TEXT = {1: "<think>", 2: "</think>", 3: "word ", 4: "<th", 5: "ink>", 6: "Hello", 900: "\n</", 901: "think>\n"}
+# Byte tokens: "中" is E4 B8 AD in UTF-8, here one byte a token (as byte-fallback vocabularies write it).
+BYTES = {7: b"\xe4", 8: b"\xb8", 9: b"\xad"}
 
 
 def run(budget: ReasoningBudget, tokens: list[int]) -> list[int]:
@@ -31,7 +34,7 @@ def run(budget: ReasoningBudget, tokens: list[int]) -> list[int]:
 
 
 def make(budget: int, *, inside: bool) -> ReasoningBudget:
-    return ReasoningBudget(budget, CLOSE, TEXT.__getitem__, starts_inside=inside)
+    return ReasoningBudget(budget, CLOSE, lambda t: BYTES.get(t) or TEXT[t].encode(), starts_inside=inside)
 
 
 def test_budget_forces_close_after_n_reasoning_tokens() -> None:
@@ -49,6 +52,23 @@ def test_a_closed_block_is_not_forced() -> None:
 
 def test_an_answer_without_think_is_never_forced() -> None:
     assert run(make(1, inside=False), [6, 3, 3, 3]) == [6, 3, 3, 3]
+
+
+def test_the_close_waits_for_a_character_the_budget_cut_in_two() -> None:
+    """The closing text right after a character's first byte would be no UTF-8 (a grammar refuses it): the
+    character's other bytes come first, then the close."""
+    assert run(make(1, inside=True), [7, 8, 9, 3, 3]) == [7, 8, 9, 900, 901]
+    assert run(make(2, inside=True), [3, 7, 8, 9, 3]) == [3, 7, 8, 9, 900, 901]
+    # Bytes that never make a character: the close comes at most three tokens late.
+    assert run(make(1, inside=True), [7, 7, 7, 7, 7, 7]) == [7, 7, 7, 7, 900, 901]
+
+
+@pytest.mark.parametrize(("data", "inside"), [(b"", False), (b"a", False), (b"\xe4", True), (b"\xe4\xb8", True),
+                                              (b"\xe4\xb8\xad", False), (b"a\xc3", True), (b"\xc3\xa9", False),
+                                              (b"\xf0\x9f\x98", True), (b"\xf0\x9f\x98\x80", False),
+                                              (b"\xb8\xad", False)])
+def test_ends_inside_a_character(data: bytes, inside: bool) -> None:
+    assert ends_inside_a_character(data) is inside
 
 
 @pytest.fixture(scope="module")
@@ -107,10 +127,9 @@ def test_eos_inside_a_closable_call_appends_the_closer(lltok, tokenizer) -> None
 
 def test_composite_forces_first_and_intersects_masks(lltok, tokenizer) -> None:
     close = tokenizer.encode("</call>")
-    text = lambda t: tokenizer.token_bytes(t).decode("utf-8", "replace")  # noqa: E731
     grammar = controller(lltok, tokenizer)
     prefix = tokenizer.encode("<call>ab")
-    both = Controllers([ReasoningBudget(len(prefix), close, text, starts_inside=True), grammar])
+    both = Controllers([ReasoningBudget(len(prefix), close, tokenizer.token_bytes, starts_inside=True), grammar])
     for t in prefix:
         assert both.forced() is None
         assert both.mask()[t]

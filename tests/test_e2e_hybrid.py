@@ -48,12 +48,51 @@ def test_think_template_splits_reasoning(hybrid: ServerProcess) -> None:
     assert closed["choices"][0]["message"]["content"]
 
 
+# The fixture tokenizer's end-of-turn tokens, forbidden where a test needs the answer to go on past a forced
+# </think> (what random weights write next is arbitrary: after the close, greedily, sometimes the end).
+NO_END = {"276": -100, "278": -100}
+
+
 def test_reasoning_budget_forces_the_block_closed(hybrid: ServerProcess) -> None:
     free = chat(hybrid, [{"role": "user", "content": "think"}], max_tokens=30)["choices"][0]["message"]
-    budgeted = chat(hybrid, [{"role": "user", "content": "think"}], max_tokens=30,
-                    reasoning_budget=4)["choices"][0]["message"]
+    budgeted = chat(hybrid, [{"role": "user", "content": "think"}], max_tokens=30, reasoning_budget=4,
+                    logit_bias=NO_END)["choices"][0]["message"]
     assert len(budgeted.get("reasoning_content", "")) < len(free.get("reasoning_content", ""))
     assert budgeted["content"]  # the answer starts once </think> was forced
+
+
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+FIRST_BYTE_OF_A_CHARACTER = "228"  # the fixture tokenizer's byte token 0xE4, which starts a 3-byte character
+
+
+@pytest.mark.parametrize("structure", [{"tools": WEATHER, "tool_choice": "required"},
+                                       {"response_format": {"type": "json_object"}}])
+def test_a_budget_spent_inside_a_character_still_closes_the_block(hybrid: ServerProcess, structure: dict) -> None:
+    """The budget runs out right after a character's first byte (the bias makes that the first reasoning
+    token): the character is completed, then </think> forced, and the turn goes on to what its grammar compels
+    (the closing text after a lone lead byte is no UTF-8: the grammar refused it, and the turn ended "stop"
+    with no call, no JSON and no error)."""
+    body = chat(hybrid, [{"role": "user", "content": "weather in Paris?"}], max_tokens=48, reasoning_budget=1,
+                logit_bias={FIRST_BYTE_OF_A_CHARACTER: 100}, **structure)
+    choice = body["choices"][0]
+    assert "\ufffd" not in choice["message"].get("reasoning_content", ""), choice
+    if "tools" in structure:
+        assert choice["finish_reason"] == "tool_calls" or "tool_call_error" in choice, choice
+    else:
+        assert choice["message"]["content"].lstrip().startswith("{"), choice
+
+
+def test_a_continued_assistant_message_continues_its_answer(hybrid: ServerProcess) -> None:
+    """A trailing assistant message with answer text is continued as answer (content), after its reasoning in
+    a closed block; one with reasoning and no answer yet is continued as reasoning."""
+    ask = {"role": "user", "content": "continue me"}
+    answer = chat(hybrid, [ask, {"role": "assistant", "content": "Answer:", "reasoning_content": "I thought."}],
+                  max_tokens=6)["choices"][0]["message"]
+    assert answer["content"] and not answer.get("reasoning_content"), answer
+    thought = chat(hybrid, [ask, {"role": "assistant", "content": "", "reasoning_content": "I thought"}],
+                   max_tokens=6, logit_bias={"280": -100})["choices"][0]["message"]  # 280: </think>
+    assert thought.get("reasoning_content") and not thought.get("content"), thought
 
 
 def test_second_turn_resumes_from_a_checkpoint_and_equals_cold(hybrid: ServerProcess) -> None:

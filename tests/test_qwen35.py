@@ -240,6 +240,19 @@ def test_a_lone_assistant_message_is_an_ordinary_turn_where_the_template_needs_a
     request = parse_chat_request({"messages": [{"role": "assistant", "content": "Once upon"}]})
     prompt = build_prompt(served, request, no_think_default=False, dialect=dialect, tools=[])
     assert prompt.text.startswith("<|im_start|>assistant\nOnce upon<|im_end|>\n<|im_start|>assistant\n")
+    # A continued answer follows its reasoning in a closed block, thinking on or off; a continued message with
+    # reasoning and no answer yet stays inside the open block.
+    ask = {"role": "user", "content": "Hi"}
+    for extra in ({}, {"enable_thinking": True}, {"enable_thinking": False}):
+        cases = [({"content": "Answer:", "reasoning_content": "I thought."},
+                  "<|im_start|>assistant\n<think>\nI thought.\n</think>\n\nAnswer:", False),
+                 ({"content": "Answer:"}, "<|im_start|>assistant\n<think>\n\n</think>\n\nAnswer:", False),
+                 ({"content": "", "reasoning_content": "I thought"}, "<|im_start|>assistant\n<think>\nI thought", True)]
+        for message, ending, open_block in cases:
+            request = parse_chat_request({"messages": [ask, {"role": "assistant", **message}], **extra})
+            prompt = build_prompt(served, request, no_think_default=False, dialect=dialect, tools=[])
+            assert prompt.text.endswith(ending), (message, extra, prompt.text[-80:])
+            assert prompt.opens_think is open_block and prompt.thinking is open_block
 
 
 def test_served_fixture_renders_think_prompts_and_uses_the_qwen_xml_dialect():

@@ -145,8 +145,7 @@ def _controller(served: LoadedModel, request: ChatRequest, prompt: Prompt, gramm
     budget = request.reasoning_budget if request.reasoning_budget is not None else served.options.reasoning_budget
     if budget > 0 and prompt.think and prompt.thinking:
         tokenizer = served.tokenizer
-        parts.append(ReasoningBudget(budget, tokenizer.encode("\n</think>\n\n"),
-                                     lambda t: tokenizer.token_bytes(t).decode("utf-8", errors="replace"),
+        parts.append(ReasoningBudget(budget, tokenizer.encode("\n</think>\n\n"), tokenizer.token_bytes,
                                      starts_inside=prompt.opens_think))
     if grammar is not None:
         parts.append(grammar)

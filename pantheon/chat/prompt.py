@@ -64,6 +64,31 @@ def _template_messages(messages: list[Message], dialect: Dialect, tools: list[To
     return out
 
 
+def _thinking(request: ChatRequest, no_think_default: bool, continued: Message | None, prefill: str) -> bool:
+    """Whether a think-style template's prompt leaves the reply room to think: the request's enable_thinking,
+    else the serve's default. A continued assistant message decides by itself: with answer text it is continued
+    as an answer, after its reasoning's closed block; with reasoning and no answer yet, inside the open block
+    (llama-server refuses both with thinking on)."""
+    if continued is not None and (prefill or continued.reasoning_content):
+        return not prefill
+    return request.enable_thinking if request.enable_thinking is not None else not no_think_default
+
+
+def _think_block(text: str, thinking: bool, reasoning: str | None) -> str:
+    """A think-style prompt's end before the answer. With thinking off, a closed block (templates that ignore
+    enable_thinking still get one), holding `reasoning` when a continued assistant message carries it; with
+    thinking on and `reasoning` (a continued message with no answer yet), the open block with it."""
+    if thinking:
+        if reasoning:
+            text += ("" if _ends_in_open_think(text) else "<think>\n") + reasoning
+        return text
+    if reasoning and text.endswith(CLOSED_THINK):
+        return text[: -len(CLOSED_THINK)] + f"<think>\n{reasoning}\n</think>\n\n"
+    if text.rstrip().endswith("</think>"):
+        return text
+    return text + (f"<think>\n{reasoning}\n</think>\n\n" if reasoning else CLOSED_THINK)
+
+
 def _ends_in_open_think(text: str) -> bool:
     return text.rfind("<think>") > text.rfind("</think>")
 
@@ -94,17 +119,15 @@ def build_prompt(served: LoadedModel, request: ChatRequest, *, no_think_default:
     messages = _template_messages(request.messages, dialect, tools)
     prefill = ""
     last = request.messages[-1]
-    if last.role == "assistant" and not last.tool_calls:
+    continued = last if last.role == "assistant" and not last.tool_calls else None
+    if continued is not None:
         # A trailing assistant message is the start of the reply, continued (llama-server's default): the
         # conversation before it gets the generation prompt, then its text; the reply returned is what follows.
         prefill = messages.pop()["content"]
         if last.unjoined_text is not None:
             prefill = last.unjoined_text  # its parts as llama-server appends them: with nothing between
-    extra: dict[str, Any] = {}
-    thinking = False
-    if template.is_think_style:
-        thinking = request.enable_thinking if request.enable_thinking is not None else not no_think_default
-        extra["enable_thinking"] = thinking
+    thinking = template.is_think_style and _thinking(request, no_think_default, continued, prefill)
+    extra: dict[str, Any] = {"enable_thinking": thinking} if template.is_think_style else {}
     try:
         text = template.render(messages, add_generation_prompt=True, extra=extra)
     except ApiError:
@@ -113,10 +136,12 @@ def build_prompt(served: LoadedModel, request: ChatRequest, *, no_think_default:
         # A lone assistant message, and a template that cannot render an empty conversation: it is then an
         # ordinary turn of its own.
         messages.append(_template_messages(request.messages, dialect, tools)[-1])
-        prefill = ""
+        prefill, continued = "", None
+        thinking = template.is_think_style and _thinking(request, no_think_default, None, "")
+        extra = {"enable_thinking": thinking} if template.is_think_style else {}
         text = template.render(messages, add_generation_prompt=True, extra=extra)
-    if template.is_think_style and not thinking and not text.rstrip().endswith("</think>"):
-        text += CLOSED_THINK  # templates that ignore enable_thinking still get a closed block
+    if template.is_think_style:
+        text = _think_block(text, thinking, continued.reasoning_content if continued is not None else None)
     text += prefill
     tokenizer = served.tokenizer
     if (window is not None and len(text) > max(EXACT_COUNT_MIN_CHARS, EXACT_COUNT_CHARS_PER_TOKEN * window)

@@ -124,17 +124,35 @@ class GrammarController:
         return not self.matcher.is_error() and (self.matcher.is_accepting() or self.matcher.is_stopped())
 
 
-class ReasoningBudget:
-    """Counts generated tokens inside a <think> block and forces `close_tokens` once `budget` is spent."""
+def ends_inside_a_character(data: bytes) -> bool:
+    """Whether `data` ends partway through a UTF-8 character: its last lead byte announces more continuation
+    bytes than follow it."""
+    for back in range(1, min(4, len(data)) + 1):
+        byte = data[-back]
+        if byte & 0xC0 != 0x80:  # not a continuation byte: the last character's first one
+            length = 4 if byte >= 0xF0 else 3 if byte >= 0xE0 else 2 if byte >= 0xC0 else 1
+            return back < length
+    return False
 
-    def __init__(self, budget: int, close_tokens: list[int], token_text: Any, *, starts_inside: bool) -> None:
+
+class ReasoningBudget:
+    """Counts generated tokens inside a <think> block and forces `close_tokens` once `budget` is spent: at the
+    next character boundary, so that a multi-byte character whose first bytes the last token wrote is
+    completed first (a closing text after its lead byte is no UTF-8: the grammars refuse it, and the turn ended
+    with neither the block closed nor the call its grammar compels), yet never more than
+    `MAX_CHARACTER_TOKENS` tokens late."""
+
+    MAX_CHARACTER_TOKENS = 3  # a UTF-8 character has at most 3 bytes after its first
+
+    def __init__(self, budget: int, close_tokens: list[int], token_bytes: Any, *, starts_inside: bool) -> None:
         self.budget = budget
         self.close_tokens = close_tokens
-        self.token_text = token_text  # token id -> str
+        self.token_bytes = token_bytes  # token id -> bytes
         self.inside = starts_inside
         self.may_open = not starts_inside
         self.spent = 0
         self._text = ""  # recent generated text, to spot the tags across token boundaries
+        self._tail = b""  # the last bytes generated, to tell whether they end inside a character
         self._forcing: list[int] = []
 
     def forced(self) -> int | None:
@@ -149,7 +167,9 @@ class ReasoningBudget:
             if not self._forcing:
                 self.inside = False
             return
-        self._text = (self._text + self.token_text(token))[-32:]
+        piece = self.token_bytes(token)
+        self._tail = (self._tail + piece)[-4:]
+        self._text = (self._text + piece.decode("utf-8", errors="replace"))[-32:]
         if self.may_open:
             if "<think>" in self._text:
                 self.inside, self.may_open = True, False
@@ -163,7 +183,8 @@ class ReasoningBudget:
             self.inside = False
             return
         self.spent += 1
-        if self.spent >= self.budget:
+        if self.spent >= self.budget and (not ends_inside_a_character(self._tail)
+                                          or self.spent >= self.budget + self.MAX_CHARACTER_TOKENS):
             self._forcing = list(self.close_tokens)
 
     def stop_requested(self, token: int) -> bool:
