@@ -82,6 +82,10 @@ def _think_block(text: str, thinking: bool, reasoning: str | None) -> str:
         if reasoning:
             text += ("" if _ends_in_open_think(text) else "<think>\n") + reasoning
         return text
+    if _ends_in_open_think(text):
+        # A generation prompt that opens the block whatever enable_thinking says (QwQ, the R1 distills): closed
+        # where it stands, as llama-server closes it.
+        return text + (f"{reasoning}\n</think>\n\n" if reasoning else "</think>")
     if reasoning and text.endswith(CLOSED_THINK):
         return text[: -len(CLOSED_THINK)] + f"<think>\n{reasoning}\n</think>\n\n"
     if text.rstrip().endswith("</think>"):

@@ -1,0 +1,98 @@
+"""Chat templates: what the renderer gives the templates that llama-server's renderer gives them (probed
+capabilities, the variables they read), and how a prompt ends around a think block. Small templates written here
+stand for the real families (noted beside each)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from pantheon.chat.prompt import build_prompt
+from pantheon.chat.request import parse_chat_request
+from pantheon.chat.tools import DIALECTS
+from pantheon.config import read_env
+from pantheon.errors import ApiError
+from pantheon.io.chat_template import ChatTemplate
+from pantheon.io.gguf_file import open_gguf
+from pantheon.io.tokenizer import Tokenizer
+
+TURNS = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
+# Gemma-2-like: no system role at all.
+NO_SYSTEM = ("{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('System role not supported') }}"
+             "{% endif %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}")
+# SmolVLM / Idefics3-like: content read as a list of typed parts only (a string's characters render nothing).
+TYPED_ONLY = ("{% for m in messages %}<|{{ m.role }}|>{% for part in m.content %}{% if part.type == 'text' %}"
+              "{{ part.text }}{% endif %}{% endfor %}\n{% endfor %}")
+# QwQ / DeepSeek-R1-distill-like: the generation prompt opens <think> whatever enable_thinking says.
+OPENS_THINK = TURNS + "{% if add_generation_prompt %}<|assistant|><think>\n{% endif %}"
+# DeepSeek-V3.1-like: reads `thinking`, not `enable_thinking`.
+READS_THINKING = (TURNS + "{% if add_generation_prompt %}<|assistant|>"
+                  "{% if thinking %}<think>{% else %}</think>{% endif %}{% endif %}")
+
+
+def test_a_template_without_a_system_role_gets_the_system_text_in_the_next_user_message() -> None:
+    t = ChatTemplate(NO_SYSTEM)
+    assert not t.supports_system_role and ChatTemplate(TURNS).supports_system_role
+    messages = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello"}, {"role": "system", "content": "Now French."},
+                {"role": "user", "content": "Bye"}]
+    assert t.render(messages, add_generation_prompt=False) == (
+        "<|user|>Be terse.\nHi\n<|assistant|>Hello\n<|user|>Now French.\nBye\n")
+    # Before another role, or at the end, the system text is a user message of its own.
+    assert t.render([{"role": "system", "content": "S"}, {"role": "assistant", "content": "A"}],
+                    add_generation_prompt=False) == "<|user|>S\n<|assistant|>A\n"
+
+
+def test_a_template_that_renders_only_typed_parts_gets_them() -> None:
+    t = ChatTemplate(TYPED_ONLY)
+    assert t.requires_typed_content and not ChatTemplate(TURNS).requires_typed_content
+    assert t.supports_system_role  # probed with typed parts too
+    # (trim_blocks takes the line break after the inner endfor, as in HF's environment)
+    assert t.render([{"role": "user", "content": "Hello there"}], add_generation_prompt=False) == "<|user|>Hello there"
+
+
+def test_variables_llama_server_supplies() -> None:
+    """HF's {% generation %} tag renders its body; date_string (Llama 3.x), datetime and functions (FireFunction)
+    are defined; `thinking` follows enable_thinking."""
+    t = ChatTemplate("{% generation %}[{{ functions }}]{% endgeneration %}{{ date_string }}|{{ datetime }}")
+    out = t.render([], add_generation_prompt=False)
+    assert out.startswith("[]") and len(out.split("|")) == 2 and all(out.split("|"))
+    with pytest.raises(ApiError):
+        ChatTemplate(NO_SYSTEM).render([{"role": "system", "content": "x"}], add_generation_prompt=False, _raw=True)
+    reads = ChatTemplate(READS_THINKING)
+    assert reads.render([{"role": "user", "content": "a"}], extra={"enable_thinking": True}).endswith("<think>")
+    assert reads.render([{"role": "user", "content": "a"}], extra={"enable_thinking": False}).endswith("</think>")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model_path: Path) -> Tokenizer:
+    return Tokenizer.from_gguf_metadata(open_gguf(default_model_path, read_env().cache_dir).metadata)
+
+
+def prompt_text(tokenizer: Tokenizer, source: str, body: dict) -> str:
+    served = SimpleNamespace(template=ChatTemplate(source), tokenizer=tokenizer)
+    request = parse_chat_request({"messages": [{"role": "user", "content": "Hi"}], **body})
+    return build_prompt(served, request, no_think_default=False, dialect=DIALECTS["qwen_xml"], tools=[]).text
+
+
+def test_a_block_the_generation_prompt_opens_is_closed_where_it_stands(tokenizer: Tokenizer) -> None:
+    """enable_thinking false on a template that always opens <think>: the open block is closed, as
+    llama-server closes it ("<think>\\n</think>"), not followed by a second, closed one."""
+    assert prompt_text(tokenizer, OPENS_THINK, {"enable_thinking": False}).endswith("<|assistant|><think>\n</think>")
+    assert prompt_text(tokenizer, OPENS_THINK, {"enable_thinking": True}).endswith("<|assistant|><think>\n")
+    # A template that neither opens nor closes one gets a closed block prefilled (the spec's enable_thinking).
+    plain_think = TURNS + "{% if add_generation_prompt %}<|assistant|>{% endif %}{# <think> #}"
+    assert prompt_text(tokenizer, plain_think, {"enable_thinking": False}).endswith(
+        "<|assistant|><think>\n\n</think>\n\n")
+
+
+def test_whatever_a_template_raises_is_the_requests_400() -> None:
+    """A template's own runtime error (here a division by zero) is a 400 naming it, never a 500; at load the
+    probes take it as "not supported"."""
+    t = ChatTemplate("{% for m in messages %}{{ m.content }}{{ 1 // (m.role != 'user') }}{% endfor %}")
+    with pytest.raises(ApiError) as info:
+        t.render([{"role": "user", "content": "x"}])
+    assert info.value.status == 400 and "ZeroDivisionError" in info.value.message
+    assert not t.supports_system_role
