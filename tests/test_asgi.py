@@ -1,14 +1,15 @@
-"""pantheon.http.asgi: reading a request body and its headers."""
+"""pantheon.http.asgi: reading a request body and its headers, writing SSE events."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
 import trio
 
 from pantheon.errors import ApiError
-from pantheon.http.asgi import BODY_STALL_S, MAX_BODY_BYTES, headers_of, parse_json_body, read_body
+from pantheon.http.asgi import BODY_STALL_S, MAX_BODY_BYTES, headers_of, parse_json_body, read_body, sse_data
 
 
 async def test_a_body_sent_in_pieces_is_joined() -> None:
@@ -69,3 +70,13 @@ def test_header_values_read_as_utf8_else_latin1() -> None:
     not UTF-8 are still read, as latin-1."""
     scope = {"headers": [(b"X-Session-Id", "café".encode()), (b"X-Other", b"caf\xe9")]}
     assert headers_of(scope) == {"x-session-id": "café", "x-other": "café"}
+
+
+def test_an_sse_event_is_one_line_for_clients_that_split_lines_like_python() -> None:
+    """U+0085, U+2028 and U+2029 are raw in JSON text but line breaks to str.splitlines() (httpx's iter_lines):
+    an event carrying them is written with JSON escapes, and reads back whole."""
+    payload = {"delta": {"content": "a\u2028b\x85c\u2029d \u2014 \u201cq\u201d"}}
+    event = sse_data(payload)
+    lines = event.decode().splitlines()
+    assert lines[1:] == [""] and lines[0].startswith("data: ") and event.endswith(b"\n\n")
+    assert json.loads(lines[0][len("data: "):]) == payload

@@ -106,5 +106,15 @@ async def start_sse(send: Send, headers: Mapping[str, str] | None = None) -> Non
     await send({"type": "http.response.start", "status": 200, "headers": hdrs})
 
 
+# Characters that Python's str.splitlines() breaks a line at (httpx's iter_lines, and the clients built on it),
+# which JSON text may carry raw, though SSE ends a line only at CR or LF: written as JSON escapes, so that a
+# client reading the stream line by line never gets half an event (a 135M model's sampled U+2028 did that).
+_LINE_BREAKERS = ((b"\xc2\x85", b"\\u0085"), (b"\xe2\x80\xa8", b"\\u2028"), (b"\xe2\x80\xa9", b"\\u2029"))
+
+
 def sse_data(payload: Any) -> bytes:
-    return b"data: " + orjson.dumps(payload) + b"\n\n"
+    data = orjson.dumps(payload)
+    if b"\xc2\x85" in data or b"\xe2\x80" in data:
+        for raw, escaped in _LINE_BREAKERS:
+            data = data.replace(raw, escaped)
+    return b"data: " + data + b"\n\n"
