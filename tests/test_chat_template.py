@@ -60,7 +60,7 @@ def test_variables_llama_server_supplies() -> None:
     out = t.render([], add_generation_prompt=False)
     assert out.startswith("[]") and len(out.split("|")) == 2 and all(out.split("|"))
     with pytest.raises(ApiError):
-        ChatTemplate(NO_SYSTEM).render([{"role": "system", "content": "x"}], add_generation_prompt=False, _raw=True)
+        ChatTemplate(NO_SYSTEM)._render([{"role": "system", "content": "x"}], add_generation_prompt=False)
     reads = ChatTemplate(READS_THINKING)
     assert reads.render([{"role": "user", "content": "a"}], extra={"enable_thinking": True}).endswith("<think>")
     assert reads.render([{"role": "user", "content": "a"}], extra={"enable_thinking": False}).endswith("</think>")

@@ -87,14 +87,25 @@ def exported(server: ServerProcess, session_id: str) -> dict[str, Any]:
 _PREFIX = struct.Struct("<8sII")
 
 
-def reheader(blob: bytes, edit: Callable[[dict[str, Any]], None]) -> bytes:
-    """The same blob with its JSON header changed by `edit`, and a correct checksum (anyone can make one)."""
+def opened(blob: bytes) -> tuple[bytes, int, dict[str, Any], bytes]:
+    """A blob's magic, format version, JSON header and payload (tokens then arrays), its checksum dropped."""
     body = blob[:-32]
     magic, version, header_len = _PREFIX.unpack_from(body, 0)
-    header = json.loads(body[_PREFIX.size:_PREFIX.size + header_len])
-    edit(header)
+    start = _PREFIX.size + header_len
+    return magic, version, json.loads(body[_PREFIX.size:start]), body[start:]
+
+
+def closed(magic: bytes, version: int, header: dict[str, Any], payload: bytes) -> bytes:
+    """The blob of these parts, with a correct checksum (anyone can make one)."""
     header_bytes = json.dumps(header, separators=(",", ":")).encode()
-    return sealed(_PREFIX.pack(magic, version, len(header_bytes)) + header_bytes + body[_PREFIX.size + header_len:])
+    return sealed(_PREFIX.pack(magic, version, len(header_bytes)) + header_bytes + payload)
+
+
+def reheader(blob: bytes, edit: Callable[[dict[str, Any]], None]) -> bytes:
+    """The same blob with its JSON header changed by `edit`, and a correct checksum."""
+    magic, version, header, payload = opened(blob)
+    edit(header)
+    return closed(magic, version, header, payload)
 
 
 def sealed(body: bytes) -> bytes:
@@ -110,36 +121,29 @@ def reweigh(blob: bytes, weights_version: int) -> bytes:
 def poisoned(blob: bytes, value: float) -> bytes:
     """The same blob with the first value of its first array (a float state) set to `value`, and a correct
     checksum."""
-    body = bytearray(blob[:-32])
-    _, _, header_len = _PREFIX.unpack_from(body, 0)
-    header = json.loads(body[_PREFIX.size:_PREFIX.size + header_len])
+    magic, version, header, payload = opened(blob)
     dtype = np.dtype(header["arrays"][0]["dtype"])
     assert dtype.kind == "f", header["arrays"][0]
-    at = _PREFIX.size + header_len + 4 * header["n_tokens"]
-    body[at:at + dtype.itemsize] = np.array([value], dtype=dtype).tobytes()
-    return sealed(bytes(body))
+    at = 4 * header["n_tokens"]
+    payload = payload[:at] + np.array([value], dtype=dtype).tobytes() + payload[at + dtype.itemsize:]
+    return closed(magic, version, header, payload)
 
 
 def widened(blob: bytes, value: float) -> bytes | None:
     """The same float16 state written as float32 (the precision a float32 server exports), with the first value
     of its first array set to `value`, and a correct checksum; None when the blob's state is not float16."""
-    body = blob[:-32]
-    magic, version, header_len = _PREFIX.unpack_from(body, 0)
-    header = json.loads(body[_PREFIX.size:_PREFIX.size + header_len])
+    magic, version, header, payload = opened(blob)
     if any(np.dtype(spec["dtype"]) != np.float16 for spec in header["arrays"]):
         return None
-    at = _PREFIX.size + header_len + 4 * header["n_tokens"]
-    arrays = []
+    at = 4 * header["n_tokens"]
+    tokens, arrays = payload[:at], []
     for spec in header["arrays"]:
         count = int(np.prod(spec["shape"]))
-        arrays.append(np.frombuffer(body, np.float16, count, at).astype(np.float32))
+        arrays.append(np.frombuffer(payload, np.float16, count, at).astype(np.float32))
         at += 2 * count
         spec["dtype"] = "<f4"
     arrays[0][0] = value
-    header_bytes = json.dumps(header, separators=(",", ":")).encode()
-    start = _PREFIX.size + header_len
-    return sealed(_PREFIX.pack(magic, version, len(header_bytes)) + header_bytes
-                  + body[start:start + 4 * header["n_tokens"]] + b"".join(a.tobytes() for a in arrays))
+    return closed(magic, version, header, tokens + b"".join(a.tobytes() for a in arrays))
 
 
 def _first_array(key: str, value: Any) -> Callable[[dict[str, Any]], None]:

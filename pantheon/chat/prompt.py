@@ -141,8 +141,8 @@ def build_prompt(served: LoadedModel, request: ChatRequest, *, no_think_default:
         # ordinary turn of its own.
         messages.append(_template_messages(request.messages, dialect, tools)[-1])
         prefill, continued = "", None
-        thinking = template.is_think_style and _thinking(request, no_think_default, None, "")
-        extra = {"enable_thinking": thinking} if template.is_think_style else {}
+        if template.is_think_style:  # no longer continued: the request's own setting
+            thinking = extra["enable_thinking"] = _thinking(request, no_think_default, None, "")
         text = template.render(messages, add_generation_prompt=True, extra=extra)
     if template.is_think_style:
         text = _think_block(text, thinking, continued.reasoning_content if continued is not None else None)

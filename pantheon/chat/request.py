@@ -108,14 +108,11 @@ def _text_parts(content: Any) -> list[str] | None:
             if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)]
 
 
-def _content_text(content: Any) -> str:
-    """String content as is; an array of text parts joined by newlines, as llama-server joins them for a
-    template that takes string content (a newline before each part but the first non-empty one); anything
-    else reads as empty."""
-    if isinstance(content, str):
-        return content
+def _joined_by_lines(parts: list[str]) -> str:
+    """Text parts joined as llama-server joins them for a template that takes string content: a newline
+    before each part but the first non-empty one."""
     text = ""
-    for part in _text_parts(content) or []:
+    for part in parts:
         text = f"{text}\n{part}" if text else part
     return text
 
@@ -162,14 +159,16 @@ def _parse_message(index: int, raw: Any) -> Message:
     if reasoning is None:
         reasoning = raw.get("reasoning")  # other servers' spelling of the same field (taken when a string)
     tool_calls = _parse_tool_calls(index, raw.get("tool_calls"))
+    content = raw.get("content")
+    parts = _text_parts(content)  # string content as is; anything else that is no parts array reads as empty
     return Message(
         role=role,
-        content=_content_text(raw.get("content")),
+        content=content if isinstance(content, str) else _joined_by_lines(parts or []),
         reasoning_content=reasoning if isinstance(reasoning, str) and reasoning else None,
         tool_calls=tool_calls or None,
         tool_call_id=raw.get("tool_call_id"),
         name=raw.get("name"),
-        unjoined_text="".join(parts) if (parts := _text_parts(raw.get("content"))) is not None else None,
+        unjoined_text="".join(parts) if parts is not None else None,
     )
 
 

@@ -387,8 +387,9 @@ class Sampler:
             if k >= finite.size:
                 break
             ranked = top_k(scores, k)
-            if np.exp(scores[ranked].astype(np.float64) - best).sum() >= p.top_p * total:
-                return ranked[:_kept(scores[ranked].astype(np.float64), total, p.top_p, p.min_p)]
+            values = scores[ranked].astype(np.float64)
+            if np.exp(values - best).sum() >= p.top_p * total:
+                return ranked[:_kept(values, total, p.top_p, p.min_p)]
         ranked = finite[np.argsort(-scores[finite], kind="stable")]
         return ranked[:_kept(scores[ranked].astype(np.float64), total, p.top_p, p.min_p)]
 

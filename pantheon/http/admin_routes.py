@@ -31,9 +31,10 @@ def load_options(body: Any) -> ModelOptions:
         raise invalid_request("'path' is required")
     if path.endswith("/"):  # a directory's name (Path() would drop the slash and find the file)
         raise load_failed(404, f"model file not found: {path} (a path ending in '/' names a directory)")
+    file_path = model_file_path(path)
     name = body.get("name")
     if name is None or name == "":
-        name = default_model_name(model_file_path(path))
+        name = default_model_name(file_path)
     elif not isinstance(name, str):
         raise invalid_request("'name' must be a string")
     dies = body.get("dies")
@@ -46,7 +47,7 @@ def load_options(body: Any) -> ModelOptions:
     quantize = body.get("quantize", False)
     if not isinstance(quantize, bool):
         raise invalid_request("'quantize' must be a boolean")
-    return ModelOptions(path=model_file_path(path), name=name, ctx_cap=_optional_int(body, "ctx_cap"),
+    return ModelOptions(path=file_path, name=name, ctx_cap=_optional_int(body, "ctx_cap"),
                         max_sessions=_optional_int(body, "max_sessions"),
                         max_concurrent=_optional_int(body, "max_concurrent"),
                         reasoning_budget=_optional_int(body, "reasoning_budget"), dies=tuple(dies),

@@ -94,7 +94,7 @@ class ChatTemplate:
         """Whether the template renders `messages` (as they would go in, content parts included) with `needle`
         in its output; False where it raises."""
         try:
-            return needle in self.render(messages, add_generation_prompt=False, _raw=True)
+            return needle in self._render(messages, add_generation_prompt=False)
         except ApiError:  # render's refusals: whatever a template raises
             return False
 
@@ -105,14 +105,16 @@ class ChatTemplate:
         add_generation_prompt: bool = True,
         tools: Sequence[Mapping[str, Any]] | None = None,
         extra: Mapping[str, Any] | None = None,
-        _raw: bool = False,
     ) -> str:
-        listed = [dict(m) for m in messages]
-        if not _raw:
-            listed = self._fitted(listed)
+        return self._render(self._fitted([dict(m) for m in messages]), add_generation_prompt=add_generation_prompt,
+                            tools=tools, extra=extra)
+
+    def _render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool,
+                tools: Sequence[Mapping[str, Any]] | None = None, extra: Mapping[str, Any] | None = None) -> str:
+        """`messages` rendered as they are (`render` first fits them to the template)."""
         now = datetime.datetime.now()
         variables: dict[str, Any] = {
-            "messages": listed,
+            "messages": messages,
             "add_generation_prompt": add_generation_prompt,
             "bos_token": self.bos_token,
             "eos_token": self.eos_token,
