@@ -13,6 +13,8 @@ import trio
 import trio.testing
 
 from pantheon.chat import completion as chat_completion
+from pantheon.chat.structure import Structure
+from pantheon.chat.tools import DIALECTS, parse_tools
 from pantheon.config import read_env
 from pantheon.engine.sampling import SampledToken, SamplingParams
 from pantheon.io.tokenizer import Tokenizer
@@ -111,3 +113,50 @@ async def test_a_stop_string_seen_on_the_short_road_ends_the_turn_there(tokenize
     assert job.cancelled  # set while the token was taken, so the scheduler drops the job at once
     assert set(roads) == {"now"}
     assert chunks[-1][1]["choices"][0]["finish_reason"] == "stop"
+
+
+CALL_THEN_TEXT = ("<tool_call>\n<function=get_time>\n<parameter=zone>\nCET\n</parameter>\n</function>\n</tool_call>\n"
+                  "And then I will")
+
+
+def _tool_completion(tokenizer: Tokenizer) -> tuple[chat_completion.Completion, Any]:
+    """A completion of one choice whose tools are parsed in the default (Qwen XML) dialect."""
+    completion, send = _completion(tokenizer, [])
+    completion.request.logprobs = False
+    completion.prompt = SimpleNamespace(think=False, opens_think=False, tokens=[1, 2, 3])
+    completion.instance.scheduler = SimpleNamespace(kv_cap=100)
+    tools = parse_tools([{"type": "function", "function": {
+        "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}}}}])
+    completion.structure = Structure(dialect=DIALECTS["qwen_xml"], tools=tools)
+    return completion, send
+
+
+@pytest.mark.parametrize("reason, final", [("length", "length"), ("stop", "tool_calls")])
+async def test_a_turn_the_limit_cut_after_a_call_ends_with_length(tokenizer: Tokenizer, reason: str, final: str
+                                                                   ) -> None:
+    """A call parsed before max_tokens cut the turn keeps finish_reason "length", as llama-server and OpenAI
+    report it: the client must not take the turn for one that ended where the model ended it."""
+    tokens = tokenizer.encode(CALL_THEN_TEXT)
+
+    async def run(streamed: bool) -> tuple[str, list[dict[str, Any]]]:
+        completion, send = _tool_completion(tokenizer)
+        for token in tokens:
+            send.send_nowait(TokenEvent(SampledToken(token)))
+        send.send_nowait(FinishEvent(reason, Usage(3, 0, len(tokens), 3 + len(tokens), 100)))
+        send.close()
+        if not streamed:
+            choice = (await chat_completion.complete(completion))["choices"][0]
+            return choice["finish_reason"], choice["message"]["tool_calls"]
+        chunks: list[dict[str, Any]] = []
+
+        async def emit(chunk: dict[str, Any]) -> None:
+            chunks.append(chunk)
+
+        await chat_completion.stream(completion, emit)
+        deltas = [call for c in chunks if c["choices"] for call in c["choices"][0]["delta"].get("tool_calls", [])]
+        return chunks[-1]["choices"][0]["finish_reason"], deltas
+
+    for streamed in (False, True):
+        finish, calls = await run(streamed)
+        assert finish == final, streamed
+        assert [call["function"]["name"] for call in calls if "name" in call["function"]] == ["get_time"], calls

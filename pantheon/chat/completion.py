@@ -42,8 +42,12 @@ class ChoiceResult:
 
     @property
     def final_reason(self) -> str:
-        """repetition_loop outranks tool_calls, which outranks stop/length."""
-        if self.finish_reason != "repetition_loop" and self.output.tool_calls:
+        """repetition_loop and length outrank tool_calls, which outranks stop.
+
+        A turn the token limit cut is "length" even when a call before the cut was parsed, as llama-server and
+        OpenAI report it: the turn did not end where the model ended it, so later calls or text may be missing.
+        """
+        if self.finish_reason == "stop" and self.output.tool_calls:
             return "tool_calls"
         return self.finish_reason
 
