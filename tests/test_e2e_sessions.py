@@ -686,11 +686,13 @@ def test_estimate_arithmetic(server: ServerProcess) -> None:
     assert e["warm_restore_s"] == pytest.approx(1000 * 16384 / 1e6, abs=1e-3)
     e = estimate(server, "tokens=1000000000000000&blob_bytes=1e15&upload_bps=1").json()  # every bound at once
     assert e["warm_restore_s"] == 1e15 and e["blob_bytes_est"] == 10**15
+    assert estimate(server, "tokens=" + "0" * 5000 + "7").json()["tokens"] == 7  # leading zeros are no digits
 
     r = estimate(server, "tokens=10&name=no-such-model")
     assert r.status_code == 200, r.text
     assert r.json()["model"] == ""
     for query in ("", "tokens=0", "tokens=-3", "name=" + MODEL, "tokens=abc", "tokens=99999999999999999999999",
+                  "tokens=" + "9" * 4301, "tokens=1" + "0" * 5000,  # past int()'s 4300 digits: still a 400
                   "tokens=100&blob_bytes=1e300", "tokens=100&blob_bytes=inf", "tokens=100&upload_bps=nan",
                   "tokens=100&upload_bps=inf", "tokens=1_000", "tokens=%2B7", "tokens=%2010", "tokens=1.5",
                   # an upload rate under a byte a second: the restore's seconds past a float (inf, JSON null)

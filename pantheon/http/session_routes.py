@@ -141,7 +141,9 @@ async def estimate(registry: Registry, scope: dict[str, Any], receive: Receive, 
     # Digits only: Python's int() would also take "1_000", "+7" and surrounding blanks.
     if not (raw_tokens.isascii() and raw_tokens.isdigit()):
         raise invalid_request("'tokens' must be a positive integer")
-    tokens = int(raw_tokens)
+    # int() refuses text past 4300 digits (a ValueError): more than 19 significant digits is out of range anyway.
+    significant = raw_tokens.lstrip("0")
+    tokens = int(significant) if 0 < len(significant) <= 19 else 0
     if not 0 < tokens <= _MAX_QUERY_NUMBER:  # the reply's JSON integers must fit in 64 bits
         raise invalid_request(f"'tokens' must be a positive integer up to {_MAX_QUERY_NUMBER:.0e}")
     blob_bytes = _positive_number(query, "blob_bytes")
