@@ -469,10 +469,17 @@ def test_load_of_a_missing_file_is_404_load_failed(main_clean: ServerProcess, pa
     assert set(admin_rows(main_clean)) == {"a", "b"}
 
 
-def test_load_of_a_file_that_cannot_be_read_is_500_load_failed(main_clean: ServerProcess) -> None:
-    # /proc/self/mem is a regular file whose reads fail (EIO): an OSError of the load, not an internal error.
-    error = assert_error(load(main_clean, {"path": "/proc/self/mem", "name": "m"}), 500, "load_failed")
-    assert "/proc/self/mem" in error["message"]
+@pytest.mark.parametrize("kind", ["proc", "device", "fifo"])
+def test_load_of_a_file_that_cannot_be_read_is_500_load_failed(main_clean: ServerProcess, tmp_path: Path,
+                                                                kind: str) -> None:
+    """A file that is there but holds no model is a 500 naming it, not a 404 "not found": /proc/self/mem (a
+    regular file whose reads fail, EIO: an OSError of the load, not an internal error), a device, a FIFO (refused
+    at once, never opened: an open would wait for a writer)."""
+    path = {"proc": "/proc/self/mem", "device": "/dev/zero", "fifo": str(tmp_path / "model.gguf")}[kind]
+    if kind == "fifo":
+        os.mkfifo(path)
+    error = assert_error(load(main_clean, {"path": path, "name": "m"}), 500, "load_failed")
+    assert path in error["message"]
     assert set(admin_rows(main_clean)) == {"a", "b"}
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -33,12 +34,18 @@ log = logging.getLogger("pantheon.models")
 MAX_INSTANCES = 16
 
 
-def _is_file(path: Path) -> bool:
-    """Whether `path` names a regular file; False, not an OSError, for a name the system refuses (too long)."""
+def _refuse_unloadable(path: Path) -> None:
+    """404 for a name that is no file (missing, a directory, a name the system refuses as too long); 500 for one
+    that exists but is not a regular file (a device, a FIFO, a socket): it is there, but no model can be read
+    from it, and opening a FIFO would wait for a writer."""
     try:
-        return path.is_file()
+        mode = path.stat().st_mode
     except OSError:
-        return False
+        mode = None
+    if mode is None or stat.S_ISDIR(mode):
+        raise load_failed(404, f"model file not found: {path}")
+    if not stat.S_ISREG(mode):
+        raise load_failed(500, f"cannot load {path}: not a regular file (a device, FIFO or socket)")
 
 
 def load_failed(status: int, message: str) -> ApiError:
@@ -97,8 +104,7 @@ class ModelManager:
                 raise load_failed(409, f"model {options.name!r} is already loaded")
         if len(self.registry.instances) >= MAX_INSTANCES:
             raise load_failed(507, f"the model registry is full ({MAX_INSTANCES} instances)")
-        if not _is_file(Path(options.path)):
-            raise load_failed(404, f"model file not found: {options.path}")
+        _refuse_unloadable(Path(options.path))
 
     def _budget_bytes(self) -> int:
         if self.env.host_budget_bytes > 0:
