@@ -96,3 +96,24 @@ def test_whatever_a_template_raises_is_the_requests_400() -> None:
         t.render([{"role": "user", "content": "x"}])
     assert info.value.status == 400 and "ZeroDivisionError" in info.value.message
     assert not t.supports_system_role
+
+
+def test_chat_template_kwargs_reach_the_template(tokenizer: Tokenizer) -> None:
+    """`chat_template_kwargs` as llama-server and vLLM take it: its variables reach the template (not the ones the
+    server sets itself), and its enable_thinking turns thinking off or on where the top-level field is absent."""
+    reads_variable = TURNS + "{% if add_generation_prompt %}<|assistant|>{{ persona | default('none') }}{% endif %}"
+    assert prompt_text(tokenizer, reads_variable, {"chat_template_kwargs": {"persona": "pirate"}}).endswith(
+        "<|assistant|>pirate")
+    kept = prompt_text(tokenizer, reads_variable, {"chat_template_kwargs": {"messages": [], "bos_token": "X"}})
+    assert kept.startswith("<|user|>Hi\n") and kept.endswith("<|assistant|>none")
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    assert prompt_text(tokenizer, OPENS_THINK, off).endswith("<|assistant|><think>\n</think>")
+    assert prompt_text(tokenizer, READS_THINKING, off).endswith("<|assistant|></think>")
+    # The top-level field wins.
+    assert prompt_text(tokenizer, OPENS_THINK, {**off, "enable_thinking": True}).endswith("<|assistant|><think>\n")
+    for bad in ({"chat_template_kwargs": []}, {"chat_template_kwargs": "x"},
+                {"chat_template_kwargs": {"enable_thinking": "false"}},
+                {"enable_thinking": True, "chat_template_kwargs": {"enable_thinking": 0}}):
+        with pytest.raises(ApiError) as info:
+            parse_chat_request({"messages": [{"role": "user", "content": "Hi"}], **bad})
+        assert info.value.status == 400, bad

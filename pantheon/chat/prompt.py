@@ -131,7 +131,9 @@ def build_prompt(served: LoadedModel, request: ChatRequest, *, no_think_default:
         if last.unjoined_text is not None:
             prefill = last.unjoined_text  # its parts as llama-server appends them: with nothing between
     thinking = template.is_think_style and _thinking(request, no_think_default, continued, prefill)
-    extra: dict[str, Any] = {"enable_thinking": thinking} if template.is_think_style else {}
+    extra: dict[str, Any] = dict(request.template_kwargs)
+    if template.is_think_style:
+        extra["enable_thinking"] = thinking
     try:
         text = template.render(messages, add_generation_prompt=True, extra=extra)
     except ApiError:

@@ -52,6 +52,9 @@ class ChatRequest:
     n_capped: bool = False
     response_format: dict[str, Any] | None = None
     enable_thinking: bool | None = None
+    # llama-server's and vLLM's `chat_template_kwargs`: more variables for the chat template (its
+    # `enable_thinking` is taken as the top-level field's fallback, not passed through).
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
     reasoning_budget: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = "auto"
@@ -98,6 +101,20 @@ def _boolean(body: Mapping[str, Any], key: str, default: bool | None) -> bool | 
     if not isinstance(value, bool):
         raise invalid_request(f"'{key}' must be a boolean")
     return value
+
+
+# Template variables the server sets itself: a request's chat_template_kwargs cannot replace them.
+_RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
+
+
+def _template_kwargs(raw: Any) -> dict[str, Any]:
+    """`chat_template_kwargs` (llama-server, vLLM): an object of template variables; the ones the server sets
+    itself are dropped."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise invalid_request("'chat_template_kwargs' must be an object")
+    return {k: v for k, v in raw.items() if k not in _RESERVED_TEMPLATE_VARIABLES}
 
 
 def _text_parts(content: Any) -> list[str] | None:
@@ -276,6 +293,12 @@ def parse_chat_request(body: Any, *, header_session: str | None = None) -> ChatR
     if tool_choice is None:
         tool_choice = "auto"
 
+    template_kwargs = _template_kwargs(body.get("chat_template_kwargs"))
+    enable_thinking = _boolean(body, "enable_thinking", None)
+    kwargs_thinking = template_kwargs.pop("enable_thinking", None)
+    if kwargs_thinking is not None and not isinstance(kwargs_thinking, bool):  # a 400 even where the field wins
+        raise invalid_request("'chat_template_kwargs.enable_thinking' must be a boolean")
+
     return ChatRequest(
         messages=messages,
         model=model,
@@ -296,7 +319,8 @@ def parse_chat_request(body: Any, *, header_session: str | None = None) -> ChatR
         n=n,
         n_capped=n_capped,
         response_format=response_format,
-        enable_thinking=_boolean(body, "enable_thinking", None),
+        enable_thinking=enable_thinking if enable_thinking is not None else kwargs_thinking,
+        template_kwargs=template_kwargs,
         reasoning_budget=reasoning_budget,
         tools=tools or None,
         tool_choice=tool_choice,
