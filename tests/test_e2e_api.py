@@ -811,6 +811,28 @@ def test_frequency_and_presence_penalties_change_a_repetitive_answer(smollm_serv
     assert pres != repeat_baseline
 
 
+def test_repeat_penalty_changes_a_repetitive_answer(smollm_server: ServerProcess, repeat_baseline: str) -> None:
+    """llama.cpp's repeat_penalty and vLLM's repetition_penalty (the same scaling here); 1 is off."""
+    assert content_of(chat(smollm_server, **REPEAT, repeat_penalty=1.0)) == repeat_baseline
+    penalized = content_of(chat(smollm_server, **REPEAT, repeat_penalty=2.0))
+    assert penalized != repeat_baseline
+    assert content_of(chat(smollm_server, **REPEAT, repetition_penalty=2.0)) == penalized
+    assert content_of(chat(smollm_server, **REPEAT, repeat_penalty=2.0, repeat_last_n=0)) == repeat_baseline
+
+
+def test_ignore_eos_decodes_to_max_tokens(smollm_server: ServerProcess, baseline: dict[str, Any]) -> None:
+    """ignore_eos (llama.cpp, vLLM) never draws an end token: the answer that ended by itself runs on to
+    max_tokens. Under a grammar (which ends its text with one) it does not apply: the turn still ends."""
+    body = chat(smollm_server, **BASE, ignore_eos=True)
+    assert body["choices"][0]["finish_reason"] == "length" and body["usage"]["completion_tokens"] == 16, body
+    assert content_of(body).startswith(content_of(baseline)), body
+    streamed = post(smollm_server, {**BASE, "ignore_eos": True, "stream": True}).text
+    assert '"finish_reason":"length"' in streamed.replace(" ", ""), streamed
+    constrained = chat(smollm_server, **{**BASE, "max_tokens": 64}, ignore_eos=True,
+                       response_format={"type": "json_object"})
+    assert constrained["choices"][0]["finish_reason"] in ("stop", "length"), constrained
+
+
 def test_penalties_are_clamped_to_2(smollm_server: ServerProcess, repeat_baseline: str) -> None:
     strong = content_of(chat(smollm_server, **REPEAT, frequency_penalty=2))
     clamped = content_of(chat(smollm_server, **REPEAT, frequency_penalty=50))

@@ -30,6 +30,18 @@ def test_max_tokens_wins_over_max_completion_tokens() -> None:
     assert parse(max_completion_tokens=9).max_tokens == 9
 
 
+def test_llama_server_and_vllm_names() -> None:
+    """n_predict (llama-server) stands for max_tokens after max_completion_tokens; repeat_penalty (llama.cpp)
+    wins over repetition_penalty (vLLM); ignore_eos is read."""
+    assert parse(n_predict=7).max_tokens == 7
+    assert parse(max_completion_tokens=9, n_predict=7).max_tokens == 9
+    assert parse(n_predict=-1).max_tokens == 512  # as max_tokens reads a negative count
+    assert parse(repetition_penalty=1.3).repeat_penalty == 1.3
+    assert parse(repeat_penalty=1.1, repetition_penalty=1.3).repeat_penalty == 1.1
+    assert (parse().repeat_penalty, parse().repeat_last_n, parse().ignore_eos) == (1.0, 64, False)
+    assert parse(repeat_last_n=-1, ignore_eos=True).repeat_last_n == -1 and parse(ignore_eos=True).ignore_eos
+
+
 def test_penalties_and_logprobs_are_clamped() -> None:
     r = parse(presence_penalty=5, frequency_penalty=-7, top_logprobs=99, logprobs=True)
     assert (r.presence_penalty, r.frequency_penalty, r.top_logprobs) == (2.0, -2.0, 20)
@@ -135,6 +147,10 @@ def test_replayed_calls_take_json_text_or_an_object_as_arguments() -> None:
     {"messages": MSG, "reasoning_budget": 1, "max_reasoning_tokens": "x"},
     {"messages": MSG, "session_id": "s", "prompt_cache_key": 5},
     {"messages": MSG, "session_id": "s", "promptCacheKey": []},
+    {"messages": MSG, "max_tokens": 2, "n_predict": 1.5}, {"messages": MSG, "ignore_eos": 1},
+    {"messages": MSG, "repeat_penalty": 1.1, "repetition_penalty": "x"}, {"messages": MSG, "repeat_penalty": 0},
+    {"messages": MSG, "repetition_penalty": -1.0}, {"messages": MSG, "repeat_last_n": -2},
+    {"messages": MSG, "repeat_last_n": 1.5},
     *({"messages": [{"role": "assistant", "content": "a", key: 5}]}
       for key in ("reasoning_content", "tool_call_id", "name")),
     # Replayed calls: OpenAI's shape (an object whose function has a name and JSON-text arguments).

@@ -149,6 +149,37 @@ def test_frequency_penalty_discourages_repeats() -> None:
     assert [s.sample(x).token_id for _ in range(2)] == [5, 6]
 
 
+def test_repeat_penalty_scales_the_scores_of_recent_tokens_as_llama_cpp() -> None:
+    """llama.cpp's repeat_penalty: a token among the last repeat_last_n of the reply has its score divided by the
+    penalty where positive and multiplied where negative, before the presence and frequency penalties; the
+    logprobs report the distribution after it, as after the other penalties."""
+    rng = np.random.default_rng(11)
+    x = (rng.normal(size=V) * 3).astype(np.float32)
+    drawn = [int(np.argmax(x)), int(np.argmin(x)), 17, 17, 400]
+    for last_n, presence in ((64, 0.0), (2, 0.0), (-1, 0.7), (0, 0.0)):
+        s = Sampler(SamplingParams(temperature=0.0, repeat_penalty=1.8, repeat_last_n=last_n,
+                                   presence_penalty=presence, top_logprobs=0), V)
+        for token in drawn:
+            s._record(token)
+        window = set(drawn if last_n < 0 else drawn[-last_n:] if last_n else [])
+        ref = x.astype(np.float64)
+        for t in window:
+            ref[t] = ref[t] / 1.8 if ref[t] > 0 else ref[t] * 1.8
+        ref[sorted(set(drawn))] -= presence
+        expected = int(np.argmax(ref))
+        got = s.sample(x)
+        assert got.token_id == expected, last_n
+        assert got.logprob == pytest.approx(ref[expected] - np.log(np.exp(ref).sum()), abs=1e-4), last_n
+
+
+def test_repeat_penalty_moves_greedy_off_a_repeated_token() -> None:
+    x = np.zeros(V, np.float32)
+    x[5], x[6], x[9] = 3.0, 2.0, -1.0
+    s = Sampler(SamplingParams(temperature=0.0, repeat_penalty=2.0), V)
+    assert [s.sample(x).token_id for _ in range(3)] == [5, 6, 5]  # 3 / 2 < 2, then 2 / 2 < 1.5
+    assert not s.plain and Sampler(SamplingParams(temperature=0.0, repeat_penalty=1.0), V).plain
+
+
 def test_logprobs_are_normalized_and_ordered() -> None:
     x = logits(3)
     s = Sampler(SamplingParams(temperature=0.0, top_logprobs=5), V)

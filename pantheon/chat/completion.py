@@ -75,7 +75,9 @@ class Completion:
         return self.instance.name
 
 
-def _sampling(request: ChatRequest, choice: int) -> SamplingParams:
+def _sampling(request: ChatRequest, choice: int, never: frozenset[int] = frozenset()) -> SamplingParams:
+    """`never`: token ids no draw may take (ignore_eos' end tokens)."""
+    bias = {**request.logit_bias, **{t: -math.inf for t in never}} if never else request.logit_bias
     return SamplingParams(
         temperature=request.temperature,
         top_p=request.top_p,
@@ -84,7 +86,9 @@ def _sampling(request: ChatRequest, choice: int) -> SamplingParams:
         seed=None if request.seed is None else request.seed + choice,
         presence_penalty=request.presence_penalty,
         frequency_penalty=request.frequency_penalty,
-        logit_bias=request.logit_bias,
+        repeat_penalty=request.repeat_penalty,
+        repeat_last_n=request.repeat_last_n,
+        logit_bias=bias,
         top_logprobs=request.top_logprobs if request.logprobs else None,
     )
 
@@ -121,9 +125,12 @@ async def start_completion(instance: ModelInstance, request: ChatRequest, env: E
     if request.n_capped:
         completion.n_status = "capped_to_8"
     stop_ids = served.tokenizer.stop_ids
+    # ignore_eos bans the end tokens as llama.cpp does (a bias of -inf), where no grammar is armed: a grammar
+    # ends its text with one, and banning it there would leave no token to draw.
+    never = stop_ids if request.ignore_eos and plan.grammar is None else frozenset()
     for i in range(request.n):
         grammar = structure.grammar_controller(served, plan)
-        job = GenerationJob(prompt=prompt.tokens, sampling=_sampling(request, i), max_tokens=request.max_tokens,
+        job = GenerationJob(prompt=prompt.tokens, sampling=_sampling(request, i, never), max_tokens=request.max_tokens,
                             stop_ids=stop_ids, session_key=request.session_id if i == 0 else None,
                             cache_prompt=request.cache_prompt,
                             constraint=_controller(served, request, prompt, grammar),

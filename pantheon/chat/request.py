@@ -45,6 +45,10 @@ class ChatRequest:
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repeat_penalty: float = 1.0  # llama.cpp's repeat_penalty, vLLM's repetition_penalty
+    repeat_last_n: int = 64
+    # llama.cpp's and vLLM's ignore_eos: the end-of-generation tokens are never drawn (unconstrained turns).
+    ignore_eos: bool = False
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: bool = False
     top_logprobs: int = 0
@@ -73,6 +77,10 @@ def _number(body: Mapping[str, Any], key: str, default: float) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise invalid_request(f"'{key}' must be a finite number")
     return float(value)
+
+
+def _optional_number(body: Mapping[str, Any], key: str) -> float | None:
+    return None if body.get(key) is None else _number(body, key, 0.0)
 
 
 def _integer(body: Mapping[str, Any], key: str, default: int | None) -> int | None:
@@ -252,8 +260,9 @@ def parse_chat_request(body: Any, *, header_session: str | None = None) -> ChatR
 
     # The alias is checked even where max_tokens wins: a field of the wrong type is a 400 wherever it is.
     max_tokens, alias = _integer(body, "max_tokens", None), _integer(body, "max_completion_tokens", None)
+    n_predict = _integer(body, "n_predict", None)  # llama-server's name, after the two OpenAI ones
     if max_tokens is None:
-        max_tokens = alias if alias is not None else DEFAULT_MAX_TOKENS
+        max_tokens = next((v for v in (alias, n_predict) if v is not None), DEFAULT_MAX_TOKENS)
     if max_tokens <= 0:
         max_tokens = 512
     max_tokens = min(max_tokens, MAX_TOKENS_CLAMP)
@@ -293,6 +302,14 @@ def parse_chat_request(body: Any, *, header_session: str | None = None) -> ChatR
     if tool_choice is None:
         tool_choice = "auto"
 
+    repeat_penalty, alias = _optional_number(body, "repeat_penalty"), _optional_number(body, "repetition_penalty")
+    repeat_penalty = next((v for v in (repeat_penalty, alias) if v is not None), 1.0)
+    if repeat_penalty <= 0:  # it divides scores
+        raise invalid_request("'repeat_penalty' must be above 0")
+    repeat_last_n = _integer(body, "repeat_last_n", 64)
+    if repeat_last_n < -1:
+        raise invalid_request("'repeat_last_n' must be -1 (the whole reply), 0 (off) or more")
+
     template_kwargs = _template_kwargs(body.get("chat_template_kwargs"))
     enable_thinking = _boolean(body, "enable_thinking", None)
     kwargs_thinking = template_kwargs.pop("enable_thinking", None)
@@ -313,6 +330,9 @@ def parse_chat_request(body: Any, *, header_session: str | None = None) -> ChatR
         seed=seed,
         presence_penalty=min(2.0, max(-2.0, _number(body, "presence_penalty", 0.0))),
         frequency_penalty=min(2.0, max(-2.0, _number(body, "frequency_penalty", 0.0))),
+        repeat_penalty=repeat_penalty,
+        repeat_last_n=repeat_last_n,
+        ignore_eos=bool(_boolean(body, "ignore_eos", False)),
         logit_bias=_parse_logit_bias(body.get("logit_bias")),
         logprobs=logprobs,
         top_logprobs=top_logprobs,

@@ -26,6 +26,11 @@ class SamplingParams:
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # llama.cpp's repeat_penalty (vLLM's repetition_penalty): a token among the last `repeat_last_n` of the
+    # reply has its score divided by it where positive, multiplied where negative. 1 = off; repeat_last_n -1 =
+    # the whole reply.
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
     logit_bias: Mapping[int, float] = field(default_factory=dict)
     top_logprobs: int | None = None  # None: no logprobs; 0..20: logprobs with that many alternatives
 
@@ -304,23 +309,34 @@ class Sampler:
         seed = params.seed if params.seed is not None else np.random.SeedSequence().entropy
         self._rng = np.random.Generator(np.random.PCG64(int(seed) & ((1 << 128) - 1)))
         self._counts: dict[int, int] = {}
+        self._reply: list[int] = []  # the tokens drawn, for the repeat penalty's window
+        self._repeats = params.repeat_penalty != 1.0 and params.repeat_last_n != 0
         self._bias_ids = np.array([t for t in params.logit_bias if 0 <= t < vocab_size], dtype=np.int64)
         self._bias_values = np.array([params.logit_bias[int(t)] for t in self._bias_ids], dtype=np.float32)
         # Whether `sample_rows` may take this sampler's rows in its batched call: no penalties, no logprobs,
         # greedy or top-k (the other cases need the whole distribution); and its columns of that call's table.
         self.plain = (params.top_logprobs is None and not params.presence_penalty and not params.frequency_penalty
+                      and not self._repeats
                       and (params.greedy or 0 < params.top_k < vocab_size))
         self._spec = (1.0 if params.greedy else 0.0, float(params.top_k), float(params.temperature),
                       float(params.top_p), float(params.min_p))
 
     def _record(self, token: int) -> None:
         self._counts[token] = self._counts.get(token, 0) + 1
+        if self._repeats:
+            self._reply.append(token)
 
     def _processed(self, logits: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
         p = self.params
         out = logits.astype(np.float32, copy=True)
         if self._bias_ids.size:
             out[self._bias_ids] += self._bias_values
+        if self._reply:  # before presence and frequency, as in llama.cpp's penalties sampler
+            window = self._reply if p.repeat_last_n < 0 else self._reply[-p.repeat_last_n:]
+            ids = np.unique(np.asarray(window, dtype=np.int64))
+            ids = ids[ids < out.size]
+            scores = out[ids]
+            out[ids] = np.where(scores > 0, scores / p.repeat_penalty, scores * p.repeat_penalty)
         if self._counts and (p.presence_penalty or p.frequency_penalty):
             ids = np.fromiter(self._counts.keys(), dtype=np.int64, count=len(self._counts))
             counts = np.fromiter(self._counts.values(), dtype=np.float32, count=len(self._counts))
