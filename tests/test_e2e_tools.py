@@ -506,3 +506,70 @@ def test_a_minicpm_required_turn_makes_one_typed_call(minicpm_server: ServerProc
     jsonschema.validate(json.loads(arguments), ADD["function"]["parameters"])
     auto = chat(minicpm_server, **{**body, "tool_choice": "auto"})["choices"][0]
     assert prompt != "Say hi." or auto["finish_reason"] == "stop" and auto["message"]["content"], auto
+
+
+# --- JSON calls (served names starting "ornith") ---
+
+
+@pytest.fixture(scope="module")
+def ornith_server(default_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """The default model served under a name that starts "ornith": its tools and calls are in the JSON dialect."""
+    server = ServerProcess(["--model", f"{default_model_path}:ornith-x"],
+                           log_path=tmp_path_factory.mktemp("ornith") / "serve.log").start()
+    yield server
+    server.stop()
+
+
+@pytest.mark.parametrize(("function", "declared"), [
+    ({"name": "ping", "parameters": {"type": "object", "properties": {}}}, set()),
+    ({"name": "ping"}, set()),  # no parameters at all
+    ({"name": "set_level", "parameters": {"type": "object", "required": ["level"],
+                                          "properties": {"level": {"type": "integer", "enum": [1, 2, 3]}}}}, {"level"}),
+])
+def test_a_json_call_has_only_the_arguments_its_tool_declares(ornith_server: ServerProcess, function: dict,
+                                                              declared: set[str]) -> None:
+    """A JSON-dialect call under its grammar takes only the keys the tool declares, as the XML dialects write them
+    (the 135M model put the tool's own schema into the arguments, {"type": "object", "properties": {}}, or kept
+    writing keys into the arguments of a tool without parameters until max_tokens ran out)."""
+    for seed in range(3):
+        choice = chat(ornith_server, model="ornith-x", messages=[{"role": "user", "content": "call it"}],
+                      tools=[{"type": "function", "function": function}], tool_choice="required", seed=seed,
+                      max_tokens=100)["choices"][0]
+        assert choice["finish_reason"] == "tool_calls", choice
+        (call,) = choice["message"]["tool_calls"]
+        arguments = json.loads(call["function"]["arguments"])
+        assert set(arguments) == declared and call["function"]["name"] == function["name"], (seed, arguments)
+
+
+# --- tool schemas no call can meet: a 400 in every dialect once a grammar is armed ---
+
+SERVED = {"smollm_server": "SmolLM2-135M-Instruct", "minicpm_server": "minicpm-like", "ornith_server": "ornith-x"}
+
+
+def _arg(schema: object) -> dict:
+    return {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+
+
+@pytest.mark.parametrize("parameters", [
+    _arg({"enum": []}), _arg({"not": {}}), _arg(False),
+    {"type": "object", "properties": {"a": {"type": "string"}}, "required": "a"},  # not a JSON schema
+    _arg({"allOf": [{"type": "string"}, {"type": "integer"}]}),  # no type meets both
+    {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["q"], "additionalProperties": False},
+])
+@pytest.mark.parametrize("server_fixture", list(SERVED))
+def test_parameters_no_call_meets_are_400_in_every_dialect(request: pytest.FixtureRequest, server_fixture: str,
+                                                           parameters: dict) -> None:
+    """Qwen XML (the default), MiniCPM's attribute XML and JSON refuse the same schemas through one check: MiniCPM's
+    call grammar skipped it (an empty enum gave 200 and a call its schema refuses), and an allOf of types with none
+    in common (200, {"a": "x"}) or a required key that additionalProperties: false forbids (200, an unfinished call)
+    went through everywhere. With tool_choice "auto" the grammar is off and the schema is only shown to the model."""
+    server: ServerProcess = request.getfixturevalue(server_fixture)
+    body = {"model": SERVED[server_fixture], "messages": [{"role": "user", "content": "call it"}],
+            "tools": [{"type": "function", "function": {"name": "t", "parameters": parameters}}],
+            "tool_choice": "required", "max_tokens": 40, "seed": 1}
+    url = server.base_url + "/v1/chat/completions"
+    for stream in (False, True):
+        r = httpx.post(url, timeout=60, json={**body, "stream": stream})
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
+        assert "'t'" in r.json()["error"]["message"], r.text
+    assert httpx.post(url, timeout=300, json={**body, "tool_choice": "auto"}).status_code == 200

@@ -7,6 +7,7 @@ parsed by the dialect's parser, which must find exactly the one call.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import time
@@ -17,6 +18,8 @@ import llguidance.numpy as llnp
 import numpy as np
 import pytest
 
+from pantheon.chat import structure
+from pantheon.chat.request import parse_chat_request
 from pantheon.chat.tools import DIALECTS, CallEnd, CallError, Dialect, parse_tools
 from pantheon.chat.tools.grammar import minicpm_call_grammar, json_object_grammar, tool_call_grammar
 from pantheon.config import read_env
@@ -329,6 +332,71 @@ def test_json_auto_and_think(vocab: Vocab) -> None:
     assert vocab.run(required, "plan</think>\n\n" + JSON_READ) == "accept"
 
 
+# --- JSON calls: the arguments take the keys their schema declares ---
+
+# Objects without additionalProperties, as tools send them: llguidance alone let the model add keys (it wrote the
+# tool's schema itself into a call's arguments). Keys that only a combinator's member or `required` names count as
+# declared, so that closing an object never refuses every value.
+CLOSED = parse_tools([
+    {"type": "function", "function": {"name": "ping", "parameters": {"type": "object", "properties": {}}}},
+    {"type": "function", "function": {"name": "bare"}},  # no parameters at all
+    {"type": "function", "function": {"name": "level", "parameters": {"type": "object", "properties": {
+        "level": {"type": "integer", "enum": [1, 2, 3]},
+        "opts": {"type": "object", "properties": {"fast": {"type": "boolean"}}},
+        "meta": {"type": "object"},  # no properties: a free-form object
+        "tags": {"type": "object", "properties": {}, "additionalProperties": {"type": "string"}}},
+        "required": ["level"]}}},
+    {"type": "function", "function": {"name": "shape", "parameters": {
+        "type": "object", "properties": {"kind": {"type": "string"}},
+        "anyOf": [{"properties": {"r": {"type": "number"}}, "required": ["r"]},
+                  {"properties": {"w": {"type": "number"}}, "required": ["w"]}]}}},
+    {"type": "function", "function": {"name": "merged", "parameters": {"allOf": [
+        {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]},
+        {"properties": {"b": {"type": "integer"}}}]}}},
+    {"type": "function", "function": {"name": "needs", "parameters": {
+        "type": "object", "properties": {"a": {"type": "string"}}, "required": ["q"]}}},
+])
+
+
+def _json_call(name: str, arguments: str) -> str:
+    return f'{{"name": "{name}", "arguments": {arguments}}}'
+
+
+@pytest.mark.parametrize(("name", "accepted", "rejected"), [
+    ("ping", ["{}"], ['{"type": "object", "properties": {}}', '{"parameter_name": "value"}']),
+    ("bare", ["{}"], ['{"type": "object"}', '"{}"']),
+    ("level", ['{"level": 1}', '{"level": 2, "opts": {"fast": true}, "meta": {"any": [1]}, "tags": {"x": "y"}}'],
+     ['{"level": 1, "type": "object", "properties": {}}', '{"level": 1, "opts": {"fast": true, "slow": false}}',
+      '{"level": 1, "tags": {"x": 1}}']),
+    ("shape", ['{"kind": "circle", "r": 2}', '{"w": 1}'], ['{"kind": "c", "r": 2, "h": 1}', '{"kind": "c"}']),
+    ("merged", ['{"a": "x", "b": 2}', '{"a": "x"}'], ['{"a": "x", "c": 1}', '{"b": 2}']),
+    ("needs", ['{"q": 1}', '{"a": "y", "q": "x"}'], ['{"q": 1, "z": 2}', '{"a": "y"}']),
+])
+def test_json_required_arguments_take_only_declared_keys(vocab: Vocab, name: str, accepted: list[str],
+                                                        rejected: list[str]) -> None:
+    """A JSON call's arguments object, and every object in it with `properties`, takes only the keys its schema
+    declares unless additionalProperties says otherwise, as llama.cpp's and vLLM's grammars read such a schema
+    and as the XML dialects write only declared parameters. A tool without parameters is called with {}."""
+    grammar = tool_call_grammar(JSON, CLOSED, mode="required", function=name)
+    for arguments in accepted:
+        assert vocab.run(grammar, _json_call(name, arguments)) == "accept", arguments
+    for arguments in rejected:
+        assert vocab.run(grammar, _json_call(name, arguments)) == "reject", arguments
+    auto = tool_call_grammar(JSON, CLOSED, mode="auto")
+    assert vocab.run(auto, f"```json\n{_json_call(name, accepted[0])}\n```") == "accept"
+    assert vocab.run(auto, f"```json\n{_json_call(name, rejected[0])}\n```") == "reject"
+
+
+def test_a_json_call_without_parameters_can_only_close(vocab: Vocab) -> None:
+    """A tool without parameters: after `"arguments": {` only `}` may follow, so the forced call finishes (free,
+    the 135M model wrote keys into it until max_tokens ran out)."""
+    grammar = tool_call_grammar(JSON, CLOSED, mode="required", function="bare")
+    assert vocab.run(grammar, '{"name": "bare", "arguments": {"') == "reject"
+    assert vocab.run(grammar, '{"name": "bare", "arguments": { }') == "incomplete"
+    assert not vocab.eos_allowed(grammar, '{"name": "bare", "arguments": {')
+    assert vocab.closing_texts_after(grammar, '{"name": "bare", "arguments": {', JSON)[:1] == ["}}"]
+
+
 # --- MiniCPM attribute XML: the call a turn must make ---
 
 MINICPM = DIALECTS["minicpm_xml"]
@@ -429,6 +497,103 @@ def test_grammar_arguments_are_checked() -> None:
 def test_auto_without_tools_is_free_text(vocab: Vocab) -> None:
     for dialect in (QWEN, JSON):
         assert vocab.run(tool_call_grammar(dialect, [], mode="auto"), "anything at all") == "accept"
+
+
+# --- which tool schemas a call grammar can enforce (structure) ---
+
+ALL_DIALECTS = ("qwen_xml", "minicpm_xml", "json")
+
+
+def _params(argument: object) -> dict:
+    return {"type": "object", "properties": {"x": argument}, "required": ["x"]}
+
+
+# Parameters no arguments meet, or that are no JSON schema: refused alike in every dialect once a grammar is armed.
+UNENFORCEABLE = [
+    _params({"enum": []}), _params({"not": {}}), _params(False),
+    _params({"type": "integer", "minimum": 5, "maximum": 1}),  # llguidance refuses it when the grammar compiles
+    {"type": "object", "properties": {"a": {"type": "string"}}, "required": "a"},  # not a JSON schema
+    # An allOf whose members share no type (merged, the first member's type used to win, and {"x": "x"} came back).
+    _params({"allOf": [{"type": "string"}, {"type": "integer"}]}),
+    _params({"allOf": [{"type": ["string", "null"]}, {"$ref": "#/$defs/n"}]}) | {"$defs": {"n": {"type": "number"}}},
+    {"type": "object", "allOf": [{"type": "string"}]},
+    # A required key that additionalProperties forbids (the call could never be finished).
+    {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["q"], "additionalProperties": False},
+    {"type": "object", "required": ["q"], "additionalProperties": {"not": {}}},
+    _params({"type": "object", "properties": {}, "required": ["q"], "additionalProperties": False}),
+    _params({"type": "object", "properties": {"y": {"allOf": [{"type": "boolean"}, {"type": "array"}]}},
+             "required": ["y"]}),
+]
+# Look-alikes that some value meets: they stay enforceable.
+ENFORCEABLE = [
+    _params({"allOf": [{"type": "number"}, {"type": "integer"}]}),
+    _params({"allOf": [{"type": ["string", "null"]}, {"type": "string", "maxLength": 3}]}),
+    {"type": "object", "properties": {"a": {}}, "required": ["a"], "additionalProperties": False},
+    {"type": "object", "patternProperties": {"^q": {"type": "string"}}, "required": ["q1"],
+     "additionalProperties": False},
+    {"type": "object", "required": ["q"], "additionalProperties": {"type": "string"}},
+    # null meets it: `required` holds objects only
+    {"type": "object", "properties": {"x": {"type": ["object", "null"], "required": ["q"],
+                                            "additionalProperties": False}}},
+]
+
+
+def _tool_grammar(dialect: str, parameters: dict, **request: object) -> str | None:
+    """The tool-call grammar a request with one tool of these parameters gets, on `dialect`, where the grammar is
+    armed: PANTHEON_TOOL_GRAMMAR unset and tool_choice "required", or =1 and a named function."""
+    grammar = request.pop("grammar", None)
+    tools = [{"type": "function", "function": {"name": "t", "parameters": parameters}}]
+    body = {"messages": [{"role": "user", "content": "call it"}], "tools": tools, **request}
+    env = dataclasses.replace(read_env(), tool_grammar=grammar)
+    built, _ = structure._tool_grammar(DIALECTS[dialect], parse_tools(tools), parse_chat_request(body), env, "none")
+    return built
+
+
+def _refusal(vocab: Vocab, dialect: str, parameters: dict, **request: object) -> str | None:
+    """Why a request with this tool is a 400, as `structure.plan` decides it (the check before a grammar is built,
+    then the grammar failing to compile), or None when it is not."""
+    try:
+        grammar = _tool_grammar(dialect, parameters, **request)
+    except ApiError as exc:
+        assert exc.status == 400 and exc.error_type == "invalid_request_error"
+        return str(exc)
+    assert grammar is not None
+    return structure._compile(vocab.ll, grammar)[1]
+
+
+@pytest.mark.parametrize("dialect", ALL_DIALECTS)
+@pytest.mark.parametrize("parameters", UNENFORCEABLE)
+def test_every_dialect_refuses_parameters_no_call_meets(vocab: Vocab, dialect: str, parameters: dict) -> None:
+    """One check for every dialect: MiniCPM's call grammar used to skip it (an empty enum gave a 200 with a call
+    its schema refuses), and an allOf without a common type or a required key that additionalProperties: false
+    forbids went through on all of them. Refused by the check, or else by the grammar failing to compile (as
+    `structure.plan` does it), with a "required" turn or an enforced named function."""
+    assert _refusal(vocab, dialect, parameters, tool_choice="required") is not None
+    named = {"type": "function", "function": {"name": "t"}}
+    assert _refusal(vocab, dialect, parameters, tool_choice=named, grammar=True) is not None
+    # Without a grammar the schema is only shown to the model.
+    assert _tool_grammar(dialect, parameters, tool_choice="auto") is None
+
+
+@pytest.mark.parametrize("dialect", ALL_DIALECTS)
+@pytest.mark.parametrize("parameters", ENFORCEABLE)
+def test_parameters_some_call_meets_stay_enforceable(vocab: Vocab, dialect: str, parameters: dict) -> None:
+    assert _refusal(vocab, dialect, parameters, tool_choice="required") is None
+
+
+def test_an_all_of_merges_to_the_types_its_members_share(vocab: Vocab) -> None:
+    """Merged, an allOf's types intersect: a number that must also be an integer is an integer (the first
+    member's "number" used to win, and the grammar let 1.5 through)."""
+    tools = parse_tools([_tool("n", {"k": {"allOf": [{"type": "number"}, {"type": "integer"}]},
+                                     "s": {"allOf": [{"type": ["string", "null"]}, {"type": ["null", "integer"]}]}},
+                               ["k"])])
+    assert tools[0].parameter_schema("k")["type"] == "integer"
+    assert tools[0].parameter_schema("s")["type"] == "null"
+    grammar = tool_call_grammar(QWEN, tools, mode="required")
+    assert vocab.run(grammar, xml_call("n", [("k", "2")])) == "accept"
+    assert vocab.run(grammar, xml_call("n", [("k", "1.5")])) == "reject"
+    contradiction = parse_tools([_tool("c", {"x": {"allOf": [{"type": "string"}, {"type": "integer"}]}}, ["x"])])
+    assert contradiction[0].parameter_schema("x")["type"] == []
 
 
 # --- response_format ---

@@ -4,11 +4,14 @@ call) and response_format (JSON). Decided per request; the grammar becomes a Gra
 Which requests are grammar-constrained (PANTHEON_TOOL_GRAMMAR):
   unset -> tool_choice "required" only; "1" -> every request with tools ("auto" masks once a call opener
   appears; "required" and a named function compel a call); "0" -> none. A named function without "1"
-  behaves like "auto". MiniCPM's attribute dialect has no grammar. Tools win over response_format.
+  behaves like "auto". MiniCPM's attribute dialect has no "auto" grammar, only one for a turn that must call.
+Before any tool-call grammar is built, the tools' parameters are checked (`_check_enforceable`): one that is
+not a JSON schema, or that no arguments meet, is a 400 in every dialect. Tools win over response_format.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +21,7 @@ import llguidance
 from pantheon.chat.request import ChatRequest
 from pantheon.chat.tools import (Dialect, ToolSpec, dialect_for, json_object_grammar, minicpm_call_grammar,
                                  parse_tools, tool_call_grammar)
+from pantheon.chat.tools.arguments import schema_types
 from pantheon.config import EnvKnobs
 from pantheon.engine.constraints import GrammarController
 from pantheon.engine.loader import LoadedModel
@@ -78,10 +82,13 @@ def _named_function(tool_choice: Any, enforced: bool) -> str | None:
     return None
 
 
-def _admits_no_value(schema: Any) -> bool:
-    """Whether an argument's schema is one that no value meets on its face: `false`, an empty `enum`, `not`
-    of everything (or an `allOf` holding one of these). Bounds that cross (minimum > maximum) llguidance
-    refuses itself."""
+def _admits_no_value(schema: Any, *, an_object: bool = False) -> bool:
+    """Whether a schema (already through `resolved_schema`) is one that no value meets on its face: `false`, an
+    empty `enum`, `not` of everything, an empty `type` list (an allOf whose members share no type), an object
+    that requires a key its schema forbids or holds to a schema of this kind (or an `allOf` holding one of
+    these). `an_object`: the value is an object whatever the schema says (a call's arguments); otherwise a
+    schema's `required` binds only where it admits objects alone. Bounds that cross (minimum > maximum)
+    llguidance refuses itself."""
     if schema is False:
         return True
     if not isinstance(schema, dict):
@@ -90,8 +97,70 @@ def _admits_no_value(schema: Any) -> bool:
         return True
     if "not" in schema and (schema["not"] is True or schema["not"] == {}):
         return True
+    if schema.get("type") == []:
+        return True
+    if (an_object or schema_types(schema) == ["object"]) and _required_key_no_value_meets(schema) is not None:
+        return True
     parts = schema.get("allOf")
-    return isinstance(parts, list) and any(_admits_no_value(part) for part in parts)
+    return isinstance(parts, list) and any(_admits_no_value(part, an_object=an_object) for part in parts)
+
+
+def _required_key_no_value_meets(schema: dict) -> str | None:
+    """A key an object schema requires whose value no value meets: a declared property's schema is of that
+    kind, or an undeclared key that no patternProperties names falls to `additionalProperties` that is."""
+    required = schema.get("required")
+    props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+    patterns = schema.get("patternProperties") if isinstance(schema.get("patternProperties"), dict) else {}
+    for key in required if isinstance(required, list) else ():
+        if not isinstance(key, str):
+            continue
+        if key in props:
+            held = props[key]
+        elif any(_may_match(pattern, key) for pattern in patterns):
+            continue  # a pattern's schema holds it; not judged here
+        else:
+            held = schema.get("additionalProperties", True)
+        if _admits_no_value(held):
+            return key
+    return None
+
+
+def _may_match(pattern: Any, key: str) -> bool:
+    """Whether a patternProperties regex (ECMA 262, read here as Python's) can match `key`; True where Python
+    cannot read it, so that a key is never judged forbidden by a misread pattern."""
+    try:
+        return re.search(pattern, key) is not None
+    except (re.error, TypeError):
+        return True
+
+
+def _check_enforceable(tools: list[ToolSpec]) -> None:
+    """Raise a 400 for a tool whose parameters a call grammar cannot enforce: not a JSON schema, or one that no
+    arguments meet (a grammar would have to write something there that the schema then refuses). Every dialect's
+    grammar is checked here, before it is built."""
+    for tool in tools:
+        try:
+            jsonschema.validators.validator_for(tool.parameters).check_schema(tool.parameters)
+        except jsonschema.SchemaError as exc:
+            raise invalid_request(f"tools: function {tool.name!r} parameters are not a valid JSON schema: "
+                                  f"{exc.message}") from None
+        why = _why_no_arguments_meet(tool.arguments_schema)
+        if why is not None:
+            raise invalid_request(f"tools: function {tool.name!r} {why}: it cannot be enforced")
+
+
+def _why_no_arguments_meet(schema: dict) -> str | None:
+    """What makes a tool's arguments schema (`ToolSpec.arguments_schema`) one that no arguments meet, or None."""
+    props = schema.get("properties")
+    for key, held in (props.items() if isinstance(props, dict) else ()):
+        if _admits_no_value(held):
+            return f"parameter {key!r} has a schema no value meets"
+    key = _required_key_no_value_meets(schema)
+    if key is not None:  # not a declared one: those were judged above
+        return f"requires parameter {key!r}, which its additionalProperties forbids"
+    if _admits_no_value(schema, an_object=True):
+        return "parameters have a schema no arguments meet"
+    return None
 
 
 def _tool_grammar(dialect: Dialect, tools: list[ToolSpec], request: ChatRequest, env: EnvKnobs,
@@ -104,28 +173,16 @@ def _tool_grammar(dialect: Dialect, tools: list[ToolSpec], request: ChatRequest,
         raise invalid_request(f"tool_choice names function {named!r}, which is not among the offered tools")
     if not tools or env.tool_grammar is False:
         return None, False
+    must_call = request.tool_choice == "required" or named is not None
+    # No grammar models MiniCPM's free text ("auto"); a turn that must call still gets one for its call, so that
+    # it cannot end before the call (spec: "every dialect"). By default only "required" is constrained.
+    if not must_call and (not dialect.grammar_capable or env.tool_grammar is None):
+        return None, False
+    # The arguments' schemas become the grammar: one that is not a JSON schema, or that no arguments meet, is the
+    # request's error, not a reason to decode unconstrained.
+    _check_enforceable(tools)
     if not dialect.grammar_capable:
-        # No grammar models this dialect's free text ("auto"); a turn that must call still gets one for its
-        # call, so that it cannot end before the call (spec: "every dialect").
-        if request.tool_choice == "required" or named is not None:
-            return minicpm_call_grammar(dialect, tools, function=named, think=think_mode), True
-        return None, False
-    if env.tool_grammar is None and request.tool_choice != "required":  # default: only "required" is constrained
-        return None, False
-    # The arguments' schemas become the grammar: one that is not a JSON schema is the request's error, not a
-    # reason to decode unconstrained.
-    for tool in tools:
-        try:
-            jsonschema.validators.validator_for(tool.parameters).check_schema(tool.parameters)
-        except jsonschema.SchemaError as exc:
-            raise invalid_request(f"tools: function {tool.name!r} parameters are not a valid JSON schema: "
-                                  f"{exc.message}") from None
-        props = tool.arguments_schema.get("properties")
-        for key, schema in (props.items() if isinstance(props, dict) else ()):
-            if _admits_no_value(schema):
-                # A grammar would have to write something there that the schema then refuses.
-                raise invalid_request(f"tools: function {tool.name!r} parameter {key!r} has a schema no value "
-                                      "meets: it cannot be enforced")
+        return minicpm_call_grammar(dialect, tools, function=named, think=think_mode), True
     if env.tool_grammar is None:
         return tool_call_grammar(dialect, tools, mode="required", think=think_mode), True
     if named is not None:

@@ -33,10 +33,10 @@ _REF_DEPTH = 8
 def resolved_schema(schema: Any) -> dict:
     """A tool's parameters schema with its local `$ref`s inlined ("#/$defs/X", "#/definitions/X", any JSON
     pointer into the schema, "#" itself) and each `allOf` of objects merged into its parent (properties and
-    required keys joined; a keyword the parent lacks taken from the first member that has it), so that the
-    call grammars and the argument typing see the keys and types that Pydantic-, zod- and MCP-style schemas
-    declare through them. `$schema`, `$id`, `$defs` and `definitions` are dropped; a reference that resolves
-    to nothing (or a remote one) becomes "any value"."""
+    required keys joined, types intersected; another keyword the parent lacks taken from the first member that
+    has it), so that the call grammars and the argument typing see the keys and types that Pydantic-, zod- and
+    MCP-style schemas declare through them. `$schema`, `$id`, `$defs` and `definitions` are dropped; a reference
+    that resolves to nothing (or a remote one) becomes "any value"."""
     if not isinstance(schema, dict):
         return {}
     out = _resolve(schema, schema, 0)
@@ -80,17 +80,67 @@ def _resolve(node: Any, root: dict, depth: int) -> Any:
     if isinstance(members, list) and members and all(isinstance(m, dict) for m in members):
         del out["allOf"]
         for member in members:
-            for key, value in member.items():
-                if key == "properties" and isinstance(value, dict):
-                    props = out.get("properties")
-                    have = props if isinstance(props, dict) else {}
-                    out["properties"] = {**have, **{k: v for k, v in value.items() if k not in have}}
-                elif key == "required" and isinstance(value, list):
-                    have = out.get("required") if isinstance(out.get("required"), list) else []
-                    out["required"] = have + [k for k in value if k not in have]
-                elif key not in out:
-                    out[key] = value
+            out = _merged(out, member)
     return out
+
+
+def _merged(schema: dict, member: dict) -> dict:
+    """`schema` with an allOf `member` merged in, so that what the grammars read of the one schema is what a
+    value must meet for both: properties and required keys joined (a property both declare merged the same way),
+    types intersected (`_common_types`), any other keyword kept from `schema` when it has it, else taken."""
+    out = dict(schema)
+    for key, value in member.items():
+        if key == "properties" and isinstance(value, dict):
+            props = out.get("properties")
+            have = props if isinstance(props, dict) else {}
+            out["properties"] = {**have, **{k: _both(have[k], v) if k in have else v for k, v in value.items()}}
+        elif key == "required" and isinstance(value, list):
+            have = out.get("required") if isinstance(out.get("required"), list) else []
+            out["required"] = have + [k for k in value if k not in have]
+        elif key == "type" and "type" in out:
+            out["type"] = _common_types(out["type"], value)
+        elif key not in out:
+            out[key] = value
+    return out
+
+
+def _both(first: Any, second: Any) -> Any:
+    """One schema for a value that must meet two (boolean schemas included)."""
+    if first is False or second is False:
+        return False
+    if first is True:
+        return second
+    if isinstance(first, dict) and isinstance(second, dict):
+        return _merged(first, second)
+    return first
+
+
+def _type_names(declared: Any) -> list[str] | None:
+    if isinstance(declared, str):
+        return [declared]
+    if isinstance(declared, list):
+        return [t for t in declared if isinstance(t, str)]
+    return None
+
+
+def _common_types(first: Any, second: Any) -> Any:
+    """The `type` a value meeting both `type` keywords has ("integer" being a kind of "number"): one name, a list,
+    or an empty list when no type is in both (a schema no value meets; the metaschema never allows one as sent).
+    Taking the first, as the other keywords are, would let a grammar write a value the second refuses."""
+    left, right = _type_names(first), _type_names(second)
+    if left is None or right is None:
+        return first if right is None else second
+    common: list[str] = []
+    for t in left:
+        if t in right or (t == "integer" and "number" in right):
+            meet = t
+        elif t == "number" and "integer" in right:
+            meet = "integer"
+        else:
+            continue
+        if meet not in common:
+            common.append(meet)
+    return common[0] if len(common) == 1 else common
 
 
 def schema_types(schema: Any) -> list[str]:

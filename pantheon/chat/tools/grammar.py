@@ -7,7 +7,9 @@ required key (required keys first, then the optional ones, each in schema order)
 for the closing tag (held to their string schema's minLength, maxLength, pattern and common formats where it
 sets them: `_xml_text`), integers, numbers and booleans by regex, objects, arrays and non-text enums through
 llguidance's `%json`. In the JSON dialect's "auto" grammar only a ```json fence opens a constrained call: a
-bare object cannot be told from text at its first byte, so it stays free text (the parser still reads it).
+bare object cannot be told from text at its first byte, so it stays free text (the parser still reads it). Its
+arguments object, and every object in it with `properties`, takes only the keys it declares unless its
+`additionalProperties` says otherwise (`_closed`), as the XML dialects write only declared parameters.
 `minicpm_call_grammar` writes the "required" grammar of MiniCPM's attribute XML, which has no "auto" one.
 
 The reasoning block, when the decode has one, comes first and is unconstrained: `think="open"` when the
@@ -290,7 +292,7 @@ def _json_calls(tools: list[ToolSpec], mode: str, prelude: str) -> str:
         for t in tools:
             shapes.append({
                 "type": "object",
-                "properties": {key: {"const": t.name}, "arguments": _json_schema(t.arguments_schema, root=False)},
+                "properties": {key: {"const": t.name}, "arguments": _json_schema(_closed_arguments(t), root=False)},
                 "required": [key, "arguments"],
                 "additionalProperties": False,
             })
@@ -306,6 +308,103 @@ def _json_calls(tools: list[ToolSpec], mode: str, prelude: str) -> str:
     else:
         lines = [f"start: {prelude} TAIL", r"TAIL: /(?s:.*)/ & ~/(?s:.*)```json(?s:.*)/"]
     return "\n".join(lines) + "\n"
+
+
+# An object schema declares its keys (and is closed to the others) through these; other keywords there say
+# nothing about which keys it has.
+_KEY_KEYWORDS = ("properties", "required", "additionalProperties", "patternProperties", "unevaluatedProperties",
+                 "propertyNames", "minProperties", "maxProperties", "dependentRequired", "dependentSchemas")
+# Subschemas that hold the same value as the schema they sit in (in a list, one each, in a map of keys), and
+# subschemas that hold values inside it. `if` and `not` are conditions, not constraints: they are left as sent
+# (closed, they would change which values they match).
+_SAME_VALUE = ("allOf", "anyOf", "oneOf")
+_SAME_VALUE_ONE = ("then", "else")
+_SAME_VALUE_MAPS = ("dependentSchemas",)
+_INNER_MAPS = ("properties", "patternProperties")
+_INNER_ONE = ("items", "additionalItems", "additionalProperties", "contains", "unevaluatedItems")
+
+
+def _closed_arguments(tool: ToolSpec) -> dict:
+    """The arguments schema of a JSON-dialect call with its objects closed (`_closed`): the arguments object
+    always, as the XML dialects write only declared parameters (a tool without parameters is called with {})."""
+    out = _closed(tool.arguments_schema, "always")
+    out.setdefault("type", "object")
+    return out
+
+
+def _closed(schema: Any, close: str = "declared") -> Any:
+    """A schema whose objects take the keys it declares and no others, as llama.cpp's schema-to-grammar and
+    vLLM's xgrammar read one without `additionalProperties` (llguidance lets the model add any key there, and it
+    wrote the tool's schema itself into the arguments). `close`: "always" closes this object, "declared" only
+    when it has `properties` (`{"type": "object"}` alone stays a free-form object), "never" leaves it open (a
+    member of a combinator beside the keys of the object it combines into: closed, it would refuse those keys).
+
+    A closed object's keys are its properties, its required keys and those its allOf / anyOf / oneOf / then /
+    else / dependentSchemas members declare (each added as a property of any value, which the member still holds
+    to its own schema), so that no value the schema admitted with only those keys is refused. An object that says itself
+    which other keys it takes (`additionalProperties`, `unevaluatedProperties`), or whose minProperties its keys
+    cannot meet, is left as it is."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _INNER_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: _closed(v) for k, v in out[key].items()}
+    for key in _INNER_ONE:
+        if isinstance(out.get(key), dict):
+            out[key] = _closed(out[key])
+    for key in ("prefixItems", "items"):
+        if isinstance(out.get(key), list):
+            out[key] = [_closed(v) for v in out[key]]
+    closing = close == "always" or (close == "declared" and "properties" in out)
+    closing = closing and "additionalProperties" not in out and "unevaluatedProperties" not in out
+    keys = _declared_keys(out)
+    low = out.get("minProperties")
+    if closing and isinstance(low, (int, float)) and low > len(keys) and "patternProperties" not in out:
+        closing = False
+    # Members stand alone only beside a schema that says nothing of keys: `{"anyOf": [object A, object B]}`.
+    alone = close != "never" and not closing and not any(k in out for k in _KEY_KEYWORDS)
+    member_close = "declared" if alone else "never"
+    for key in _SAME_VALUE:
+        if isinstance(out.get(key), list):
+            out[key] = [_closed(v, member_close) for v in out[key]]
+    for key in _SAME_VALUE_ONE:
+        if isinstance(out.get(key), dict):
+            out[key] = _closed(out[key], member_close)
+    for key in _SAME_VALUE_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: _closed(v, member_close) for k, v in out[key].items()}
+    if closing:
+        props = out.get("properties") if isinstance(out.get("properties"), dict) else {}
+        out["properties"] = {**props, **{k: {} for k in keys if k not in props}}
+        out["additionalProperties"] = False
+    return out
+
+
+def _declared_keys(schema: dict) -> list[str]:
+    """The keys an object schema names: its properties, required and dependentRequired keys, and those of its
+    members that hold the same value (allOf / anyOf / oneOf / then / else / dependentSchemas), in that order."""
+    keys: list[str] = []
+
+    def add(names: Any) -> None:
+        for name in names if isinstance(names, (list, dict)) else ():
+            if isinstance(name, str) and name not in keys:
+                keys.append(name)
+
+    add(schema.get("properties"))
+    add(schema.get("required"))
+    dependent = schema.get("dependentRequired")
+    if isinstance(dependent, dict):
+        add(dependent)
+        for names in dependent.values():
+            add(names)
+    members = [m for k in _SAME_VALUE if isinstance(schema.get(k), list) for m in schema[k]]
+    members += [schema[k] for k in _SAME_VALUE_ONE if k in schema]
+    members += [m for k in _SAME_VALUE_MAPS if isinstance(schema.get(k), dict) for m in schema[k].values()]
+    for member in members:
+        if isinstance(member, dict):
+            add(_declared_keys(member))
+    return keys
 
 
 # --- helpers ---
