@@ -573,3 +573,14 @@ def test_parameters_no_call_meets_are_400_in_every_dialect(request: pytest.Fixtu
         assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
         assert "'t'" in r.json()["error"]["message"], r.text
     assert httpx.post(url, timeout=300, json={**body, "tool_choice": "auto"}).status_code == 200
+
+
+def test_a_replayed_call_with_a_lone_surrogate_escape_is_replayed_as_written(smollm_server: ServerProcess) -> None:
+    """Arguments JSON text holding "\\ud800" (valid JSON grammar, no character) were decoded into a lone surrogate
+    that the tokenizer then failed on (a 500): they are replayed as written, as other text that is not JSON."""
+    body = chat(smollm_server, messages=[
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a": "\\ud800"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "ok"}], max_tokens=2)
+    assert body["usage"]["completion_tokens"] >= 1

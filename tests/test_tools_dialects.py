@@ -273,6 +273,34 @@ def test_replayed_arguments_that_are_not_json_render_as_they_are(dialect: str) -
     assert DIALECTS[dialect].render_assistant("hi", []) == "hi"
 
 
+LONE_SURROGATE_CALLS = {
+    "qwen_xml": '<tool_call>\n<function=configure>\n<parameter=name>\nx\n</parameter>\n<parameter=env>\n'
+                '{"k": "\\ud800"}\n</parameter>\n</function>\n</tool_call>',
+    "minicpm_xml": '<function name="configure"><param name="name">x</param><param name="env">{"k": "\\udc00"}'
+                   '</param></function>',
+    "json": '{"name": "configure", "arguments": {"name": "x", "env": {"k": "\\ud83d"}}}',
+}
+
+
+@pytest.mark.parametrize("dialect", sorted(DIALECTS))
+def test_a_lone_surrogate_escape_never_reaches_the_arguments(dialect: str) -> None:
+    """JSON's grammar allows "\\ud800", but no UTF-8 text holds the lone surrogate it decodes to: arguments
+    holding one (written by the model, or replayed by a client) are read as not JSON, never decoded into a string
+    the response's encoder or the tokenizer then fails on (a 500)."""
+    import orjson
+
+    parser = DIALECTS[dialect].parser(TOOLS)
+    events = list(parser.feed(LONE_SURROGATE_CALLS[dialect])) + list(parser.finish())
+    for event in events:
+        orjson.dumps(vars(event))  # raises on a surrogate
+    assert any(isinstance(e, (CallEnd, CallError)) for e in events), events
+    replayed = DIALECTS[dialect].render_assistant("", [{"id": "call_1", "type": "function", "function": {
+        "name": "configure", "arguments": '{"name": "x", "env": {"k": "\\ud800"}}'}}])
+    replayed.encode("utf-8")  # raises on a surrogate
+    assert "\\ud800" in replayed
+    assert json.loads('"\\ud83d\\ude00"') == loads_forgiving('"\\ud83d\\ude00"')  # a pair is a character
+
+
 @pytest.mark.parametrize("dialect", ["qwen_xml", "minicpm_xml"])
 def test_text_values_stream_before_the_parameter_ends(dialect: str) -> None:
     if dialect == "qwen_xml":

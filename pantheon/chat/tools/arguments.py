@@ -273,9 +273,34 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
+def loads_json(text: str) -> Any:
+    """JSON text as `json.loads` reads it, refusing (ValueError) NaN / Infinity and a lone surrogate escape
+    ("\\ud800"): JSON's grammar allows one, but no UTF-8 text holds it, so the tokenizer and the response's
+    encoder would fail on it (a 500) far from here."""
+    value = json.loads(text, parse_constant=_reject_constant)
+    if "\\u" in text and _holds_surrogate(value):
+        raise ValueError("a lone surrogate escape is no character")
+    return value
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _holds_surrogate(value: Any) -> bool:
+    """Whether a parsed JSON value has a surrogate code point in a string (a pair's escapes read as one
+    character, so any left is a lone one)."""
+    if isinstance(value, str):
+        return _SURROGATE.search(value) is not None
+    if isinstance(value, dict):
+        return any(_holds_surrogate(k) or _holds_surrogate(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_holds_surrogate(v) for v in value)
+    return False
+
+
 def _loads(s: str) -> Any:
     try:
-        return json.loads(s, parse_constant=_reject_constant)
+        return loads_json(s)
     except ValueError:
         pass
     except RecursionError:
@@ -283,9 +308,10 @@ def _loads(s: str) -> Any:
     if not s or s[0] not in "[{":
         return _FAIL
     try:
-        return _literal(ast.parse(s, mode="eval").body)
+        value = _literal(ast.parse(s, mode="eval").body)
     except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
         return _FAIL
+    return _FAIL if _holds_surrogate(value) else value
 
 
 _NAMES = {"true": True, "false": False, "null": None, "True": True, "False": False, "None": None}

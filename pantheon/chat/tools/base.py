@@ -16,7 +16,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from pantheon.chat.tools.arguments import resolved_schema, streams_as_string, type_value
+from pantheon.chat.tools.arguments import loads_json, resolved_schema, streams_as_string, type_value
 from pantheon.errors import invalid_request
 
 
@@ -465,7 +465,7 @@ def call_parts(call: dict) -> tuple[str, Any, str]:
     if not isinstance(raw, str):
         return name, None, compact_json(raw)
     try:
-        value = json.loads(raw) if raw.strip() else {}
+        value = loads_json(raw) if raw.strip() else {}
     except (ValueError, RecursionError):  # nested past the parser's recursion: as unparseable as malformed
         return name, None, raw
     return name, value if isinstance(value, dict) else None, raw
