@@ -7,6 +7,7 @@ its tokens whatever else is batched beside it.
 
 from __future__ import annotations
 
+import collections
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -309,8 +310,10 @@ class Sampler:
         seed = params.seed if params.seed is not None else np.random.SeedSequence().entropy
         self._rng = np.random.Generator(np.random.PCG64(int(seed) & ((1 << 128) - 1)))
         self._counts: dict[int, int] = {}
-        self._reply: list[int] = []  # the tokens drawn, for the repeat penalty's window
         self._repeats = params.repeat_penalty != 1.0 and params.repeat_last_n != 0
+        # The repeat penalty's window of the last repeat_last_n tokens drawn (the whole reply, -1: `_counts`' keys).
+        self._recent: collections.deque[int] | None = (
+            collections.deque(maxlen=params.repeat_last_n) if self._repeats and params.repeat_last_n > 0 else None)
         self._bias_ids = np.array([t for t in params.logit_bias if 0 <= t < vocab_size], dtype=np.int64)
         self._bias_values = np.array([params.logit_bias[int(t)] for t in self._bias_ids], dtype=np.float32)
         # Whether `sample_rows` may take this sampler's rows in its batched call: no penalties, no logprobs,
@@ -323,17 +326,17 @@ class Sampler:
 
     def _record(self, token: int) -> None:
         self._counts[token] = self._counts.get(token, 0) + 1
-        if self._repeats:
-            self._reply.append(token)
+        if self._recent is not None:
+            self._recent.append(token)
 
     def _processed(self, logits: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
         p = self.params
         out = logits.astype(np.float32, copy=True)
         if self._bias_ids.size:
             out[self._bias_ids] += self._bias_values
-        if self._reply:  # before presence and frequency, as in llama.cpp's penalties sampler
-            window = self._reply if p.repeat_last_n < 0 else self._reply[-p.repeat_last_n:]
-            ids = np.unique(np.asarray(window, dtype=np.int64))
+        if self._repeats and self._counts:  # before presence and frequency, as in llama.cpp's penalties sampler
+            window = self._counts.keys() if self._recent is None else set(self._recent)
+            ids = np.fromiter(window, dtype=np.int64, count=len(window))
             ids = ids[ids < out.size]
             scores = out[ids]
             out[ids] = np.where(scores > 0, scores / p.repeat_penalty, scores * p.repeat_penalty)
