@@ -818,6 +818,9 @@ def test_repeat_penalty_changes_a_repetitive_answer(smollm_server: ServerProcess
     assert penalized != repeat_baseline
     assert content_of(chat(smollm_server, **REPEAT, repetition_penalty=2.0)) == penalized
     assert content_of(chat(smollm_server, **REPEAT, repeat_penalty=2.0, repeat_last_n=0)) == repeat_baseline
+    # A window past any reply is the whole reply (2**63 ended the server: no deque holds it).
+    assert (content_of(chat(smollm_server, **REPEAT, repeat_penalty=2.0, repeat_last_n=2**63))
+            == content_of(chat(smollm_server, **REPEAT, repeat_penalty=2.0, repeat_last_n=-1)))
 
 
 def test_ignore_eos_decodes_to_max_tokens(smollm_server: ServerProcess, baseline: dict[str, Any]) -> None:

@@ -40,6 +40,9 @@ def test_llama_server_and_vllm_names() -> None:
     assert parse(repeat_penalty=1.1, repetition_penalty=1.3).repeat_penalty == 1.1
     assert (parse().repeat_penalty, parse().repeat_last_n, parse().ignore_eos) == (1.0, 64, False)
     assert parse(repeat_last_n=-1, ignore_eos=True).repeat_last_n == -1 and parse(ignore_eos=True).ignore_eos
+    # A window longer than any reply is the whole reply (a 2**63 one ended the server: no deque holds it).
+    assert parse(repeat_last_n=2**63).repeat_last_n == parse(repeat_last_n=1e20).repeat_last_n == -1
+    assert parse(repeat_last_n=1_048_576).repeat_last_n == 1_048_576
 
 
 def test_penalties_and_logprobs_are_clamped() -> None:

@@ -81,3 +81,22 @@ def test_a_turn_whose_sampling_fails_fails_alone(tmp_path: Path) -> None:
         tokens = [e.sampled.token_id for e in mine if isinstance(e, TokenEvent)]
         assert tokens == [e.sampled.token_id for e in solo if isinstance(e, TokenEvent)] and len(tokens) == 12
         assert isinstance(mine[-1], FinishEvent) and mine[-1].reason == "length", mine[-1]
+
+
+def test_sampling_parameters_that_fail_are_the_submitting_requests_error(tmp_path: Path) -> None:
+    """A job whose sampler cannot be built (here a penalty window past what a deque holds, which the request
+    parser never lets through) fails at submit, in the submitting task: it never reaches the scheduler's loop,
+    where the exception ended the server; the turn queued beside it runs."""
+    served = load_served_model(ModelOptions(path=write_tiny_llama(tmp_path / "tiny.gguf"), name="tiny"),
+                               read_env({"PANTHEON_HOME": str(tmp_path)}), CpuBackend(1))
+    prompt = [int(t) for t in served.tokenizer.encode("Hello there")]
+    bad = GenerationJob(prompt=prompt, sampling=SamplingParams(temperature=0.0, repeat_penalty=1.1,
+                                                               repeat_last_n=1 << 64),
+                        max_tokens=4, stop_ids=frozenset())
+    good = GenerationJob(prompt=prompt, sampling=SamplingParams(temperature=0.0), max_tokens=4, stop_ids=frozenset())
+    scheduler = Scheduler(served, max_sessions=2, max_concurrent=4, queue_depth=4)
+    with pytest.raises(OverflowError):
+        scheduler.submit(bad)
+    scheduler.forward_thread.close()
+    (events,) = trio.run(run_turns, served, [good])
+    assert isinstance(events[-1], FinishEvent) and len(events) == 5, events

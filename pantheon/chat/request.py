@@ -309,6 +309,8 @@ def parse_chat_request(body: Any, *, header_session: str | None = None) -> ChatR
     repeat_last_n = _integer(body, "repeat_last_n", 64)
     if repeat_last_n < -1:
         raise invalid_request("'repeat_last_n' must be -1 (the whole reply), 0 (off) or more")
+    if repeat_last_n > MAX_TOKENS_CLAMP:  # longer than any reply: the whole reply
+        repeat_last_n = -1
 
     template_kwargs = _template_kwargs(body.get("chat_template_kwargs"))
     enable_thinking = _boolean(body, "enable_thinking", None)

@@ -129,6 +129,9 @@ class Waiting:
     job: GenerationJob
     events: trio.MemorySendChannel[Event]
     enqueued_at: float
+    # Built at submit, in the request's own task: whatever a job's sampling parameters make it raise is that
+    # request's error there, never an exception of the scheduler's loop (which would end the server).
+    sampler: Sampler
 
 
 class Scheduler:
@@ -265,9 +268,10 @@ class Scheduler:
         if self.memory_critical and job.session_key and self.sessions.get(job.session_key) is None:
             raise ApiError(503, "server_memory_constrained",
                            "host memory is critically low: new sessions are refused", headers={"Retry-After": "30"})
+        sampler = Sampler(job.sampling, self.served.model.vocab_size)
         send, receive = trio.open_memory_channel[Event](math.inf)
         job.on_cancel = self.poke
-        self._waiting.append(Waiting(job, send, time.monotonic()))
+        self._waiting.append(Waiting(job, send, time.monotonic(), sampler))
         self.poke()
         return receive
 
@@ -526,7 +530,7 @@ class Scheduler:
             self._waiting.popleft()
             cached = assignment.cached_tokens
             self._active.append(Active(job=job, events=waiting.events, slot=assignment.slot,
-                                       sampler=Sampler(job.sampling, self.served.model.vocab_size),
+                                       sampler=waiting.sampler,
                                        prompt_done=cached, cached_tokens=cached, conflict=assignment.conflict,
                                        submitted_at=waiting.enqueued_at, restore=assignment.restore,
                                        copy_from=assignment.copy_from,
