@@ -131,11 +131,11 @@ def _tool_completion(tokenizer: Tokenizer) -> tuple[chat_completion.Completion, 
     return completion, send
 
 
-@pytest.mark.parametrize("reason, final", [("length", "length"), ("stop", "tool_calls")])
-async def test_a_turn_the_limit_cut_after_a_call_ends_with_length(tokenizer: Tokenizer, reason: str, final: str
-                                                                   ) -> None:
-    """A call parsed before max_tokens cut the turn keeps finish_reason "length", as llama-server and OpenAI
-    report it: the client must not take the turn for one that ended where the model ended it."""
+@pytest.mark.parametrize("reason, final", [("length", "tool_calls"), ("stop", "tool_calls"),
+                                           ("repetition_loop", "repetition_loop")])
+async def test_a_turn_with_a_parsed_call_ends_with_tool_calls(tokenizer: Tokenizer, reason: str, final: str) -> None:
+    """The spec: "tool_calls present when a call was parsed; finish_reason is then tool_calls", a turn max_tokens
+    cut after a finished call included (llama-server says "length" there); only repetition_loop outranks it."""
     tokens = tokenizer.encode(CALL_THEN_TEXT)
 
     async def run(streamed: bool) -> tuple[str, list[dict[str, Any]]]:

@@ -42,12 +42,12 @@ class ChoiceResult:
 
     @property
     def final_reason(self) -> str:
-        """repetition_loop and length outrank tool_calls, which outranks stop.
+        """repetition_loop outranks tool_calls, which outranks stop and length.
 
-        A turn the token limit cut is "length" even when a call before the cut was parsed, as llama-server and
-        OpenAI report it: the turn did not end where the model ended it, so later calls or text may be missing.
-        """
-        if self.finish_reason == "stop" and self.output.tool_calls:
+        The spec: "`tool_calls` present when a call was parsed; `finish_reason` is then "tool_calls"", also for a
+        turn max_tokens cut after a finished call (llama-server and OpenAI report "length" there); a call the limit
+        cut is no parsed call (it is in tool_call_error), so a turn with none finished is "length"."""
+        if self.finish_reason != "repetition_loop" and self.output.tool_calls:
             return "tool_calls"
         return self.finish_reason
 
