@@ -146,6 +146,14 @@ def _serve(args: argparse.Namespace, model_specs: list[tuple[str, list[str]]]) -
         if not m.path.is_file():
             print(f"pantheon: model file not found: {m.path}", file=sys.stderr)
             return 1
+    if args.session_dir is not None:
+        from pantheon.sched.persistence import check_session_dir
+
+        try:
+            check_session_dir(Path(args.session_dir))
+        except OSError as exc:  # found now, not as every session lost at the next shutdown
+            print(f"pantheon: --session-dir {args.session_dir} cannot be written: {exc}", file=sys.stderr)
+            return 1
     options = ServeOptions(host=args.host, port=args.port, models=models, threads=args.threads,
                            drain_timeout_s=args.drain_timeout, session_dir=args.session_dir, env=env)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -11,11 +11,14 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import os
 import random
 import re
 import signal
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -854,16 +857,25 @@ def test_sessions_survive_a_restart(default_model_path: Path, tmp_path: Path) ->
         first_server.stop()
     saved = list(session_dir.rglob("*.pnsess"))
     assert len(saved) == 1, list(session_dir.rglob("*"))
-    # Next to it: a corrupt file, a file whose name is no session id, and a blob from other weights.
+    # Next to it: a corrupt file, a file whose name is no session id, a blob from other weights, and entries
+    # under session ids that are no regular file (a folder, a dangling link, a FIFO, whose read would wait).
     folder = saved[0].parent
     blob = saved[0].read_bytes()
-    corrupt = folder / (base64.urlsafe_b64encode(b"corrupt").decode() + ".pnsess")
+
+    def named(session_id: bytes) -> Path:
+        return folder / (base64.urlsafe_b64encode(session_id).decode() + ".pnsess")
+
+    corrupt = named(b"corrupt")
     corrupt.write_bytes(blob[: len(blob) // 3])
     badname = folder / "!!!.pnsess"
     badname.write_bytes(blob)
     weights_version = json.loads(blob[16:16 + struct.unpack_from("<I", blob, 12)[0]])["weights_version"]
-    other = folder / (base64.urlsafe_b64encode(b"other-weights").decode() + ".pnsess")
+    other = named(b"other-weights")
     other.write_bytes(reweigh(blob, weights_version ^ 1))
+    named(b"a-folder").mkdir()
+    named(b"a-link").symlink_to(folder / "nowhere")
+    os.mkfifo(named(b"a-fifo"))
+    odd = [named(n).name for n in (b"a-folder", b"a-link", b"a-fifo", b"other-weights")]
 
     second_server = start_server(default_model_path, tmp_path / "two", "--session-dir", str(session_dir))
     try:
@@ -875,13 +887,98 @@ def test_sessions_survive_a_restart(default_model_path: Path, tmp_path: Path) ->
         straight = chat(second_server, req(second_messages, session_id="straight"))
         assert cached_of(straight) == cached_of(resumed)
         assert content_of(resumed) == content_of(straight) == content_of(chat(second_server, req(second_messages)))
-        for name in ("corrupt", "other-weights"):
+        for name in ("corrupt", "other-weights", "a-folder", "a-link", "a-fifo"):
             assert_error(export(second_server, name), 404, "session_not_found")
         files = sorted(p.name for p in folder.iterdir())
-        for path in (corrupt, other):
-            assert not path.exists() and path.with_name(path.name + ".rejected").exists(), files
+        assert not corrupt.exists() and corrupt.with_name(corrupt.name + ".rejected").exists(), files
         # A file whose name decodes to no session id is rejected too (not loaded under some other id).
         assert not badname.exists() and badname.with_name(badname.name + ".rejected").exists(), \
             (files, second_server.log_tail())
+        # One this server cannot take now (other weights: they may be served again) and the entries that are no
+        # regular file are skipped and kept; a shutdown leaves them too (it removes only what it restored).
+        second_server.signal(signal.SIGTERM)
+        assert second_server.wait(120) == 0, second_server.log_tail()
+        assert set(odd) <= {p.name for p in folder.iterdir()}, (odd, files)
+        assert other.read_bytes() == reweigh(blob, weights_version ^ 1)
     finally:
         second_server.stop()
+
+
+def test_a_shutdown_removes_only_the_session_files_it_restored(default_model_path: Path, tmp_path: Path) -> None:
+    """Two servers may share one --session-dir: a shutdown removes the files of sessions it restored and no
+    longer holds (released here), never a file it did not restore (another server's, written while it ran)."""
+    session_dir = tmp_path / "sessions"
+    first = start_server(default_model_path, tmp_path / "one", "--session-dir", str(session_dir))
+    try:
+        for session_id in ("kept", "released"):
+            chat(first, req(FRANCE, session_id=session_id))
+        first.signal(signal.SIGTERM)
+        assert first.wait(120) == 0, first.log_tail()
+    finally:
+        first.stop()
+    (folder,) = {p.parent for p in session_dir.rglob("*.pnsess")}
+    second = start_server(default_model_path, tmp_path / "two", "--session-dir", str(session_dir))
+    try:
+        assert release(second, {"session_id": "released"}).status_code == 200
+        foreign = folder / (base64.urlsafe_b64encode(b"another-servers").decode() + ".pnsess")
+        foreign.write_bytes((folder / (base64.urlsafe_b64encode(b"kept").decode() + ".pnsess")).read_bytes())
+        second.signal(signal.SIGTERM)
+        assert second.wait(120) == 0, second.log_tail()
+    finally:
+        second.stop()
+    names = {p.name for p in folder.iterdir()}
+    assert names == {base64.urlsafe_b64encode(n).decode() + ".pnsess" for n in (b"kept", b"another-servers")}, names
+
+
+def test_an_unwritable_session_dir_stops_the_start(default_model_path: Path, tmp_path: Path) -> None:
+    """Found at start, not as every session lost at the next shutdown."""
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("x")
+    done = subprocess.run([sys.executable, "-m", "pantheon", "serve", "--model", str(default_model_path),
+                           "--port", "0", "--session-dir", str(not_a_dir / "sessions")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "--session-dir" in done.stderr, (done.returncode, done.stderr[-2000:])
+
+
+def test_an_unload_saves_the_sessions_a_later_load_restores(default_model_path: Path, tmp_path: Path) -> None:
+    """With --session-dir a model loaded at run time restores its sessions as one loaded at start does, and an
+    unload saves them first, as a shutdown does: unload and load again keep a conversation's cache."""
+    server = start_server(default_model_path, tmp_path / "log", "--session-dir", str(tmp_path / "sessions"))
+    spec = {"path": str(default_model_path), "name": "second"}
+    try:
+        assert httpx.post(server.base_url + "/admin/models/load", json=spec, timeout=300).status_code == 200
+        first = chat(server, req(FRANCE, session_id="s2", model="second"))
+        before = export(server, "s2", name="second").json()
+        r = httpx.post(server.base_url + "/admin/models/unload", json={"name": "second"}, timeout=300)
+        assert r.status_code == 200, r.text
+        assert httpx.post(server.base_url + "/admin/models/load", json=spec, timeout=300).status_code == 200
+        after = export(server, "s2", name="second")
+        assert after.status_code == 200, after.text
+        assert after.json()["tokens"] == before["tokens"] and after.json()["n_tok"] == first["usage"]["kv_used"]
+    finally:
+        server.stop()
+
+
+def test_a_restore_whose_body_ends_during_the_drain_is_refused(default_model_path: Path, tmp_path: Path) -> None:
+    """The drain's check on arrival is not enough for a body still on its way: a restore that ends after the
+    drain began is refused (503 server_shutting_down), never answered 200 and then lost with the process."""
+    server = start_server(default_model_path, tmp_path / "log", "--session-dir", str(tmp_path / "sessions"))
+    try:
+        chat(server, req(FRANCE, session_id="r1"))
+        snap = exported(server, "r1")
+        body = json.dumps({"session_id": "r2", "blob": snap["blob_b64"], "tokens": snap["tokens"]}).encode()
+        sock = socket.create_connection(("127.0.0.1", server.port), timeout=60)
+        sock.sendall(b"POST /session/restore HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body[: len(body) // 2])
+        time.sleep(0.5)
+        server.signal(signal.SIGTERM)
+        time.sleep(0.5)
+        sock.sendall(body[len(body) // 2:])
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+        sock.close()
+        assert answer.startswith(b"HTTP/1.1 503") and b"server_shutting_down" in answer, answer[:300]
+        assert server.wait(120) == 0, server.log_tail()
+    finally:
+        server.stop()

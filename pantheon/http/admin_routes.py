@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from pantheon.config import MAX_MODEL_DIES, ModelOptions, default_model_name, model_file_path
@@ -92,8 +93,12 @@ async def models(registry: Registry, scope: dict[str, Any], receive: Receive, se
     await send_json(send, 200, {"object": "list", "data": [instance_row(i) for i in registry.instances]})
 
 
-async def load(manager: ModelManager, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+async def load(manager: ModelManager, scope: dict[str, Any], receive: Receive, send: Send,
+               refuse_now: Callable[[], None] = lambda: None) -> None:
+    """`refuse_now()` raises when the server no longer takes loads (it drains), asked again once the body is
+    read: a load whose body arrived during the drain is refused like one that came then."""
     options = load_options(parse_json_body(await read_body(receive)))
+    refuse_now()
     instance = await manager.load(options)
     await send_json(send, 200, instance_row(instance))
 

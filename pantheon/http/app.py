@@ -214,15 +214,20 @@ class App:
                 data.append(self.model_entry(instance))
         await send_json(send, 200, {"object": "list", "backend": s.backend, "build": s.build, "data": data})
 
-    async def load_model(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
-        if self.state.draining:  # a model loaded now would be unloaded again at once, after seconds of work
+    def _refuse_if_draining(self) -> None:
+        if self.state.draining:
             raise shutting_down()
-        await admin_routes.load(self.state.manager, scope, receive, send)
+
+    async def load_model(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+        # A model loaded while the server drains would be unloaded again at once, after seconds of work: refused
+        # on arrival, and again once its body is read.
+        self._refuse_if_draining()
+        await admin_routes.load(self.state.manager, scope, receive, send, self._refuse_if_draining)
 
     async def restore_session(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
-        if self.state.draining:  # a session restored now would be gone when the process exits a moment later
-            raise shutting_down()
-        await session_routes.restore(self.state.registry, scope, receive, send)
+        # A session restored while the server drains could miss the drain's save and be gone with the process.
+        self._refuse_if_draining()
+        await session_routes.restore(self.state.registry, scope, receive, send, self._refuse_if_draining)
 
     async def chat_completions(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         raw = await read_body(receive)

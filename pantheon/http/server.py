@@ -23,7 +23,6 @@ from pantheon.http.app import App, ServerState
 from pantheon.metrics import standard_metrics
 from pantheon.sched.manager import ModelManager
 from pantheon.sched.registry import Registry
-from pantheon.sched.persistence import load_sessions, save_sessions
 from pantheon.sched.memory import MemoryReading, MemoryWatch, read_meminfo
 
 log = logging.getLogger("pantheon")
@@ -112,13 +111,7 @@ async def _drain(state: ServerState, options: ServeOptions, shutdown: trio.Event
         with trio.move_on_after(DEADLINE_FLUSH_S):
             while not _idle(state.registry):
                 await trio.sleep(0.05)
-    if options.session_dir is not None:
-        for instance in state.registry.instances:
-            try:
-                n = await save_sessions(instance, options.session_dir)
-                log.info("%s: saved %d session(s) to %s", instance.name, n, options.session_dir)
-            except OSError as exc:
-                log.error("%s: could not save sessions: %s", instance.name, exc)
+    await state.manager.save_all_sessions()
     for instance in state.registry.instances:
         instance.scheduler.stopping.set()  # open watches end with a last comment, not a cut connection
     shutdown.set()
@@ -146,7 +139,8 @@ async def serve(options: ServeOptions, *, task_status: trio.TaskStatus[list[str]
         from pantheon.kernels.cuda.dies import DieManager
 
         die_manager = DieManager.probe(env.die_reserve_bytes)  # 0 dies without a driver: serve on the host
-    manager = ModelManager(registry, env, backend, die_manager=die_manager, metrics=metrics)
+    manager = ModelManager(registry, env, backend, die_manager=die_manager, metrics=metrics,
+                           session_dir=options.session_dir)
     state = ServerState(registry=registry, env=env, backend=compiled_backend(), manager=manager, metrics=metrics,
                         dies_visible=manager.dies_visible)
     app = App(state)
@@ -156,11 +150,9 @@ async def serve(options: ServeOptions, *, task_status: trio.TaskStatus[list[str]
         for model_options in options.models:
             log.info("loading %s from %s", model_options.name, model_options.path)
             try:
-                instance = await manager.load(model_options)
+                await manager.load(model_options)  # its sessions restored from --session-dir
             except ApiError as exc:
                 raise ModelLoadError(exc.message) from None
-            if options.session_dir is not None:
-                await load_sessions(instance, options.session_dir)
         root.start_soon(_watch_signals, state, options, shutdown)
         root.start_soon(_watch_memory, state, env)
         root.start_soon(_reap_sessions, registry, env)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import binascii
 import urllib.parse
+from collections.abc import Callable
 from typing import Any
 
 import trio
@@ -78,7 +79,11 @@ def restore_body_limit(registry: Registry) -> int:
     return max(MAX_BODY_BYTES, largest + (1 << 20))
 
 
-async def restore(registry: Registry, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+async def restore(registry: Registry, scope: dict[str, Any], receive: Receive, send: Send,
+                  refuse_now: Callable[[], None] = lambda: None) -> None:
+    """`refuse_now()` raises when the server no longer takes restores (it drains): asked again once the body,
+    which may take seconds to arrive, is read, and with no wait between it and the instance's `handling`, which
+    a drain waits for, so that a restore is refused or saved with the others, never answered and then lost."""
     body = await _json_object(receive, restore_body_limit(registry))
     session_id = _session_id(body, scope)
     blob_b64, tokens = body.get("blob"), body.get("tokens")
@@ -94,6 +99,7 @@ async def restore(registry: Registry, scope: dict[str, Any], receive: Receive, s
         blob = base64.b64decode("".join(blob_b64.split()), validate=True)
     except (binascii.Error, ValueError):
         raise ApiError(400, "bad_session_blob", "'blob' is not valid base64") from None
+    refuse_now()
     with instance.handling():
         n_tok = await session_ops.restore_session(instance.scheduler, session_id, blob, tokens)
     await send_json(send, 200, {"restored": True, "session_id": session_id, "n_tok": n_tok})

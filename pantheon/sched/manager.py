@@ -26,6 +26,7 @@ from pantheon.metrics import Metrics
 from pantheon.models.registry import SEGMENTED_ARCHITECTURES
 from pantheon.sched.forward_thread import ForwardThread
 from pantheon.sched.memory import read_meminfo
+from pantheon.sched.persistence import load_sessions, save_sessions
 from pantheon.sched.registry import ModelInstance, Registry
 from pantheon.sched.scheduler import Scheduler
 
@@ -59,8 +60,11 @@ def slot_count(options: ModelOptions) -> int:
 
 class ModelManager:
     def __init__(self, registry: Registry, env: EnvKnobs, backend: Any, die_manager: Any = None,
-                 metrics: Metrics | None = None) -> None:
+                 metrics: Metrics | None = None, session_dir: Path | None = None) -> None:
         self.registry = registry
+        # --session-dir: a model's sessions are restored from it when it loads and saved to it when it unloads
+        # (and at shutdown, server.py), so an unload and a later load keep them as a restart does.
+        self.session_dir = session_dir
         self.metrics = metrics or Metrics()
         self.env = env
         self.backend = backend  # the host (cpu) backend
@@ -71,6 +75,20 @@ class ModelManager:
         # One forward thread per backend (see forward_thread.py): every model on the host backend loads and
         # steps on the same thread, so numba keeps a single OpenMP team.
         self._forward_threads: dict[int, ForwardThread] = {}
+
+    async def _save_sessions(self, instance: ModelInstance) -> None:
+        assert self.session_dir is not None
+        try:
+            n = await save_sessions(instance, self.session_dir)
+            log.info("%s: saved %d session(s) to %s", instance.name, n, self.session_dir)
+        except OSError as exc:
+            log.error("%s: could not save sessions: %s", instance.name, exc)
+
+    async def save_all_sessions(self) -> None:
+        """At shutdown: every loaded model's live sessions to --session-dir (when set)."""
+        if self.session_dir is not None:
+            for instance in self.registry.instances:
+                await self._save_sessions(instance)
 
     def _forward_thread(self, backend: Any) -> ForwardThread:
         key = id(backend)
@@ -171,6 +189,8 @@ class ModelManager:
                                   f"{slot_count(options)} slots x {served.ctx_cap} tokens); {budget} available")
             instance = self._start(served, weights, state, backend)
         log.info("loaded %s from %s (ctx %d, %d bytes)", served.name, options.path, served.ctx_cap, weights + state)
+        if self.session_dir is not None:
+            await load_sessions(instance, self.session_dir)
         return instance
 
     def _start(self, served: LoadedModel, weights: int, state: int, backend: Any) -> ModelInstance:
@@ -217,6 +237,9 @@ class ModelManager:
         try:
             while any(i.busy for i in instances):
                 await trio.sleep(0.05)
+            if self.session_dir is not None:
+                for inst in instances:
+                    await self._save_sessions(inst)
         finally:
             for inst in instances:
                 inst.cancel_scope.cancel()

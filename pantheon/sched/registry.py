@@ -28,6 +28,9 @@ class ModelInstance:
     # Requests routed here and not answered yet (`handling`): an unload waits for them as for the scheduler's
     # jobs, since one may still be rendering its prompt, not yet a job the scheduler knows of.
     requests: int = 0
+    # Files of --session-dir this instance restored at its load: the ones its save may remove when their session
+    # is gone (a file it never restored, another server's in a shared folder, one it could not take, is kept).
+    session_files: set[str] = field(default_factory=set)
 
     @contextlib.contextmanager
     def handling(self) -> Iterator[None]:
