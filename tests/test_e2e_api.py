@@ -656,6 +656,16 @@ def test_logit_bias_plus_100_forces_a_token(smollm_server: ServerProcess, vocab:
     assert body["choices"][0]["finish_reason"] == "length"
 
 
+def test_a_forced_control_token_has_no_text_in_the_logprobs_either(smollm_server: ServerProcess) -> None:
+    """<|im_start|> (id 1) forced by a bias: no content, and its logprob entries spell it as llama-server does
+    (special=false): token "" and no bytes, so the entries' bytes add up to the content."""
+    body = chat(smollm_server, **{**BASE, "max_tokens": 3}, logit_bias={"1": 100}, logprobs=True, top_logprobs=2)
+    entries = body["choices"][0]["logprobs"]["content"]
+    assert content_of(body) == "" and len(entries) == 3, body
+    assert all(e["token"] == "" and e["bytes"] == [] for e in entries), entries
+    assert all(alt["bytes"] == [] for e in entries for alt in e["top_logprobs"] if alt["token"] == ""), entries
+
+
 def test_logit_bias_minus_100_forbids_the_greedy_token(smollm_server: ServerProcess, baseline: dict,
                                                         vocab: dict[bytes, int]) -> None:
     first = bytes(baseline["choices"][0]["logprobs"]["content"][0]["bytes"])

@@ -163,7 +163,9 @@ class ChoiceOutput:
         return self._stop.stopped
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
-        raw = self.tokenizer.token_bytes(token_id)
+        # A control token (<|im_start|> drawn through a logit bias) has no text in the content, so none here
+        # either, as llama-server spells logprob tokens (special=false): the bytes add up to the content.
+        raw = b"" if self.tokenizer.is_hidden(token_id) else self.tokenizer.token_bytes(token_id)
         return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
 
     def _logprob_entry(self, sampled: SampledToken) -> dict[str, Any]:
