@@ -555,6 +555,8 @@ def _arg(schema: object) -> dict:
     {"type": "object", "properties": {"a": {"type": "string"}}, "required": "a"},  # not a JSON schema
     _arg({"allOf": [{"type": "string"}, {"type": "integer"}]}),  # no type meets both
     {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["q"], "additionalProperties": False},
+    _arg({"allOf": [{"const": "x"}, {"const": "y"}]}),  # no value meets both (200 with "x")
+    _arg({"allOf": [{"type": "string"}, {"enum": [1, 2]}]}),  # no value of the enum is a string
 ])
 @pytest.mark.parametrize("server_fixture", list(SERVED))
 def test_parameters_no_call_meets_are_400_in_every_dialect(request: pytest.FixtureRequest, server_fixture: str,
@@ -584,3 +586,89 @@ def test_a_replayed_call_with_a_lone_surrogate_escape_is_replayed_as_written(smo
             {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a": "\\ud800"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "ok"}], max_tokens=2)
     assert body["usage"]["completion_tokens"] >= 1
+
+
+# --- schemas the grammars hold calls to (seeds 0-5, as the audit ran them) ---
+
+
+def _required_turns(server: ServerProcess, model: str, parameters: dict, *, seeds: int = 6,
+                    max_tokens: int = 80) -> list[dict]:
+    body = {"model": model, "messages": [{"role": "user", "content": "Call do_it."}],
+            "tools": [{"type": "function", "function": {"name": "do_it", "parameters": parameters}}],
+            "tool_choice": "required", "max_tokens": max_tokens}
+    return [chat(server, **body, seed=seed)["choices"][0] for seed in range(seeds)]
+
+
+def _check_calls_or_cuts(choices: list[dict], parameters: dict) -> list[dict]:
+    """Each choice is one call whose arguments meet `parameters`, or a call max_tokens cut (finish "length", the
+    unfinished call in tool_call_error): never a turn that stopped inside the call. The calls' arguments."""
+    made = []
+    for choice in choices:
+        if choice["finish_reason"] == "length":
+            assert choice["tool_call_error"]["code"] == "unfinished_tool_call", choice
+            continue
+        assert choice["finish_reason"] == "tool_calls", choice
+        (call,) = choice["message"]["tool_calls"]
+        arguments = json.loads(call["function"]["arguments"])
+        jsonschema.validate(arguments, parameters)
+        made.append(arguments)
+    return made
+
+
+PATTERN_KEY = {"type": "object", "properties": {"a": {"type": "string"}},
+               "patternProperties": {"^q$": {"type": "integer"}}, "required": ["q"]}
+
+
+@pytest.mark.parametrize("server_fixture", list(SERVED))
+def test_a_key_only_a_pattern_declares_is_written_and_typed(request: pytest.FixtureRequest,
+                                                            server_fixture: str) -> None:
+    """A required key that only patternProperties types: the JSON grammar let ", " follow the last key, then only
+    blanks and the end token (3 of 6 seeds stopped with no call), and the XML grammars wrote it as text ("\n\n",
+    or text up to max_tokens)."""
+    server: ServerProcess = request.getfixturevalue(server_fixture)
+    made = _check_calls_or_cuts(_required_turns(server, SERVED[server_fixture], PATTERN_KEY), PATTERN_KEY)
+    assert made, "no seed finished its call"
+
+
+ALL_OF_BOUNDS = {"type": "object", "required": ["name", "color", "level"], "properties": {
+    "name": {"allOf": [{"type": "string", "maxLength": 10}, {"type": "string", "maxLength": 2}]},
+    "color": {"allOf": [{"enum": ["red", "green", "blue"]}, {"enum": ["blue", "black"]}]},
+    "level": {"allOf": [{"type": "integer", "minimum": 0, "maximum": 1000}, {"minimum": 500, "maximum": 510}]}}}
+
+
+@pytest.mark.parametrize("server_fixture", list(SERVED))
+def test_an_all_of_holds_arguments_to_every_member(request: pytest.FixtureRequest, server_fixture: str) -> None:
+    """An allOf's members each narrow the argument ("function_a" for a maxLength of 2, "red" for an enum without
+    it, 200 for a minimum of 500 came back: only the first member's keywords were read)."""
+    server: ServerProcess = request.getfixturevalue(server_fixture)
+    made = _check_calls_or_cuts(_required_turns(server, SERVED[server_fixture], ALL_OF_BOUNDS), ALL_OF_BOUNDS)
+    assert made, "no seed finished its call"
+
+
+UNEVALUATED = {"type": "object", "allOf": [{"properties": {"a": {"type": "integer"}}}],
+               "unevaluatedProperties": False, "required": ["a"]}
+
+
+def test_a_json_call_takes_no_key_unevaluated_properties_forbids(ornith_server: ServerProcess) -> None:
+    """unevaluatedProperties: false closes the arguments over the keys the schema and its allOf declare
+    ({"a": 1, "b": "feller"} came back)."""
+    made = _check_calls_or_cuts(_required_turns(ornith_server, "ornith-x", UNEVALUATED), UNEVALUATED)
+    assert made and all(set(arguments) == {"a"} for arguments in made), made
+
+
+@pytest.mark.parametrize("max_tokens", [2, 3, 6])
+def test_a_json_call_cut_before_its_head_is_an_unfinished_call(ornith_server: ServerProcess,
+                                                               max_tokens: int) -> None:
+    """A forced JSON call cut by max_tokens before the parser knew it for a call ("```json\n{\n  \"") is an
+    unfinished call with no content, streamed or not, as in the XML dialects (it came back as content)."""
+    request = {"model": "ornith-x", "messages": [{"role": "user", "content": "Weather in Paris?"}],
+               "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {
+                   "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}],
+               "tool_choice": "required", "temperature": 0, "max_tokens": max_tokens}
+    choice = chat(ornith_server, **request)["choices"][0]
+    assert choice["finish_reason"] == "length" and "tool_calls" not in choice["message"], choice
+    assert not choice["message"]["content"] and choice["tool_call_error"]["code"] == "unfinished_tool_call", choice
+    r = httpx.post(ornith_server.base_url + "/v1/chat/completions", json={**request, "stream": True}, timeout=300)
+    chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    assert not "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]), r.text
+    assert chunks[-1]["choices"][0]["tool_call_error"]["code"] == "unfinished_tool_call", chunks[-1]

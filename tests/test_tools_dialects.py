@@ -339,6 +339,36 @@ def test_a_forced_call_cut_inside_its_opener_is_an_unfinished_call(dialect: str,
         assert (texts, errors) == (([opener[:cut]], []) if text_expected else ([], ["unfinished_tool_call"])), events
 
 
+@pytest.mark.parametrize("output", ["`", "``", "```", "```json", "```json\n{\n  \"", '```json\n{"na', "{", '{"',
+                                    '{\n  "function', "<tool_ca", "<tool_call>"])
+@pytest.mark.parametrize("streamed", [False, True])
+def test_a_forced_json_call_cut_inside_its_opener_is_an_unfinished_call(output: str, streamed: bool) -> None:
+    """A JSON-dialect turn whose grammar compels a call, cut by max_tokens before the call's head is complete
+    ("```json\n{\n  \"" at max_tokens 6): the output is the start of the call, reported as an unfinished one with
+    no content, as the XML dialects report it (it came back as content, without tool_call_error)."""
+    for forced in (False, True):
+        parser = DIALECTS["json"].parser(TOOLS)
+        parser.call_forced = forced
+        pieces = list(output) if streamed else [output]
+        events = [e for piece in pieces for e in parser.feed(piece)] + parser.finish()
+        text = "".join(e.text for e in events if isinstance(e, TextDelta))
+        errors = [e.code for e in events if isinstance(e, CallError)]
+        if forced:
+            assert (text, errors) == ("", ["unfinished_tool_call"]), events
+        elif output != "<tool_call>":  # unforced, a head cut short is text (an opened <tool_call> is a call)
+            assert (text, errors) == (output, []), events
+
+
+def test_a_forced_json_call_keeps_the_calls_it_finished() -> None:
+    """Forced or not, a complete call stands, and a turn cut in the closing fence after it has no text."""
+    call = '```json\n{"name": "read", "arguments": {"path": "a"}}\n``'
+    for forced in (False, True):
+        parser = DIALECTS["json"].parser(TOOLS)
+        parser.call_forced = forced
+        events = parser.feed(call) + parser.finish()
+        assert [type(e) for e in events if not isinstance(e, (CallStart, ArgsDelta))] == [CallEnd], events
+
+
 @pytest.mark.parametrize(("output", "calls", "error"), [
     ("<tool_call>\n<function=read>\n<parameter=path>\nabc\n</parameter>\n</function>\n</tool_ca", 1, None),
     ("<tool_call>\n<function=read>\n<parameter=path>\nabc\n</parameter>\n</func", 0, "unfinished_tool_call"),

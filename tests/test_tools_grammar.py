@@ -523,6 +523,18 @@ UNENFORCEABLE = [
     _params({"type": "object", "properties": {}, "required": ["q"], "additionalProperties": False}),
     _params({"type": "object", "properties": {"y": {"allOf": [{"type": "boolean"}, {"type": "array"}]}},
              "required": ["y"]}),
+    # An allOf whose members allow no value in common (merged, the first member's const or enum used to win: 200),
+    # and an enum or const none of whose values has the schema's type.
+    _params({"allOf": [{"const": "x"}, {"const": "y"}]}),
+    _params({"allOf": [{"enum": ["red", "green"]}, {"enum": ["blue", "black"]}]}),
+    _params({"allOf": [{"type": "string"}, {"enum": [1, 2]}]}),
+    _params({"type": "string", "enum": [1, 2]}), _params({"type": "string", "const": 1}),
+    _params({"allOf": [{"type": "integer", "minimum": 500}, {"maximum": 100}]}),  # crossed once merged
+    _params({"allOf": [{"type": "string", "minLength": 5}, {"maxLength": 2}]}),
+    # A required key a pattern holds to a schema no value meets.
+    {"type": "object", "patternProperties": {"^q$": False}, "required": ["q"]},
+    {"type": "object", "properties": {"q": {"type": "string"}}, "patternProperties": {"^q": {"type": "integer"}},
+     "required": ["q"]},
 ]
 # Look-alikes that some value meets: they stay enforceable.
 ENFORCEABLE = [
@@ -535,6 +547,24 @@ ENFORCEABLE = [
     # null meets it: `required` holds objects only
     {"type": "object", "properties": {"x": {"type": ["object", "null"], "required": ["q"],
                                             "additionalProperties": False}}},
+    # allOfs whose members have values in common, and enums with a value of the schema's type.
+    _params({"allOf": [{"const": "x"}, {"enum": ["x", "y"]}]}),
+    _params({"allOf": [{"enum": [1, 2]}, {"enum": [2.0, 3]}]}),  # 2 and 2.0 are one number
+    _params({"allOf": [{"type": "number"}, {"enum": [1, "a"]}]}),
+    _params({"type": "integer", "enum": [1.0]}), _params({"type": ["string", "integer"], "enum": [1]}),
+    _params({"allOf": [{"type": "integer", "minimum": 0, "maximum": 1000}, {"minimum": 500, "maximum": 510}]}),
+    _params({"allOf": [{"type": "integer", "minimum": 5}, {"maximum": 5}]}),
+    _params({"allOf": [{"type": "string", "minLength": 2}, {"maxLength": 2}]}),
+    _params({"allOf": [{"type": "number", "multipleOf": 0.5}, {"multipleOf": 0.3}]}),
+    {"$schema": "http://json-schema.org/draft-04/schema#", "type": "object", "required": ["x"], "properties": {
+        "x": {"allOf": [{"type": "integer", "minimum": 5, "exclusiveMinimum": True}, {"maximum": 6}]}}},
+    # A required key that only a pattern declares, typed by it; a key both a property and a pattern hold.
+    {"type": "object", "properties": {"a": {"type": "string"}}, "patternProperties": {"^q$": {"type": "integer"}},
+     "required": ["q"]},
+    {"type": "object", "properties": {"q": {"type": "string"}}, "patternProperties": {"^q": {"maxLength": 3}},
+     "required": ["q"]},
+    {"type": "object", "allOf": [{"properties": {"a": {"type": "integer"}}}], "unevaluatedProperties": False,
+     "required": ["a"]},
 ]
 
 
@@ -594,6 +624,167 @@ def test_an_all_of_merges_to_the_types_its_members_share(vocab: Vocab) -> None:
     assert vocab.run(grammar, xml_call("n", [("k", "1.5")])) == "reject"
     contradiction = parse_tools([_tool("c", {"x": {"allOf": [{"type": "string"}, {"type": "integer"}]}}, ["x"])])
     assert contradiction[0].parameter_schema("x")["type"] == []
+
+
+# An allOf's members each narrow the value: merged, the tightest of each bound and the values their enums share
+# hold it (the first member's used to win: "function_a" for a maxLength of 2, "red" for an enum without it).
+TIGHT = parse_tools([
+    _tool("short", {"x": {"allOf": [{"type": "string", "maxLength": 10}, {"type": "string", "maxLength": 2}]}}, ["x"]),
+    _tool("color", {"x": {"allOf": [{"enum": ["red", "green", "blue"]}, {"enum": ["blue", "black"]}]}}, ["x"]),
+    _tool("level", {"x": {"allOf": [{"type": "integer", "minimum": 0, "maximum": 1000},
+                                    {"minimum": 500, "maximum": 510}]}}, ["x"]),
+    _tool("step", {"x": {"allOf": [{"type": "number", "multipleOf": 0.5}, {"multipleOf": 0.3}]}}, ["x"]),
+    _tool("typed", {"x": {"allOf": [{"type": "integer"}, {"enum": [1, 2.5, "a", 3]}]}}, ["x"]),
+])
+
+
+def _one_argument_call(dialect: str, name: str, key: str, value: str) -> str:
+    """A call of `name` with one argument whose JSON text is `value`, as `dialect` writes it (a string bare in the
+    XML dialects)."""
+    if dialect == "json":
+        return f'{{"name": "{name}", "arguments": {{"{key}": {value}}}}}'
+    loaded = json.loads(value)
+    text = loaded if isinstance(loaded, str) else value
+    if dialect == "qwen_xml":
+        return xml_call(name, [(key, text)])
+    return f'<function name="{name}"><param name="{key}">{text}</param></function>'
+
+
+def _required_grammar(dialect: str, tools: list) -> str:
+    if dialect == "minicpm_xml":
+        return minicpm_call_grammar(MINICPM, tools)
+    return tool_call_grammar(DIALECTS[dialect], tools, mode="required")
+
+
+@pytest.mark.parametrize("dialect", ALL_DIALECTS)
+@pytest.mark.parametrize(("name", "accepted", "rejected"), [
+    ("short", ['"ab"', '"a"'], ['"function_a"', '"abc"']),
+    ("color", ['"blue"'], ['"red"', '"black"']),
+    ("level", ["505", "500", "510"], ["200", "2", "1000", "511"]),
+    ("step", ["3", "1.5", "0"], ["0.5", "0.3", "1", "2"]),
+    ("typed", ["1", "3"], ["2.5", '"a"', "2"]),
+])
+def test_an_all_of_holds_the_value_to_every_members_bounds(vocab: Vocab, dialect: str, name: str,
+                                                           accepted: list[str], rejected: list[str]) -> None:
+    grammar = _required_grammar(dialect, [t for t in TIGHT if t.name == name])
+    for value in accepted:
+        assert vocab.run(grammar, _one_argument_call(dialect, name, "x", value)) == "accept", value
+    for value in rejected:
+        assert vocab.run(grammar, _one_argument_call(dialect, name, "x", value)) == "reject", value
+
+
+def test_an_all_of_merges_bounds_enums_and_consts() -> None:
+    """The merged schema itself: each bound the tighter one (a draft-4 exclusive bound compared as the number it
+    is), two multipleOf their least common multiple, enums and consts the values they share."""
+    def merged(*members: dict) -> dict:
+        return parse_tools([_tool("m", {"x": {"allOf": list(members)}}, ["x"])])[0].parameter_schema("x")
+
+    assert merged({"minimum": 0, "maximum": 1000, "minLength": 1}, {"minimum": 500, "maximum": 510, "minLength": 3}) \
+        == {"minimum": 500, "maximum": 510, "minLength": 3}
+    assert merged({"exclusiveMinimum": 1, "maxItems": 4, "minProperties": 2}, {"exclusiveMinimum": 0, "maxItems": 2,
+                                                                              "minProperties": 1}) \
+        == {"exclusiveMinimum": 1, "maxItems": 2, "minProperties": 2}
+    assert merged({"minimum": 5, "exclusiveMinimum": True}, {"minimum": 3}) == {"exclusiveMinimum": 5, "minimum": 3}
+    assert merged({"multipleOf": 4}, {"multipleOf": 6}) == {"multipleOf": 12}
+    assert merged({"multipleOf": 0.5}, {"multipleOf": 0.3}) == {"multipleOf": 1.5}
+    assert merged({"enum": ["red", "green", "blue"]}, {"enum": ["blue", "black"]}) == {"enum": ["blue"]}
+    assert merged({"const": "x"}, {"enum": ["y", "x"]}) == {"const": "x"}
+    assert merged({"const": "x"}, {"const": "y"}) == {"enum": []}
+    assert merged({"enum": [1, True, None]}, {"enum": [1.0, None]}) == {"enum": [1, None]}  # true is not 1
+    assert merged({"type": "string"}, {"enum": [1, 2]}) == {"type": "string", "enum": []}
+
+
+# --- patternProperties and unevaluatedProperties ---
+
+# A key declared only by `required` and a pattern: the JSON grammar let ", " follow it, then nothing (half the seeds
+# ended the turn inside the call), and the XML grammars wrote it as text where the pattern wants an integer.
+PATTERNED = parse_tools([
+    {"type": "function", "function": {"name": "do_it", "parameters": {
+        "type": "object", "properties": {"a": {"type": "string"}}, "patternProperties": {"^q$": {"type": "integer"}},
+        "required": ["q"]}}},
+    {"type": "function", "function": {"name": "own", "parameters": {
+        "type": "object", "properties": {"a": {"type": "string"}},
+        "patternProperties": {"^(?:q|r)$": {"type": "integer"}}, "required": ["q", "r"],
+        "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "bare", "parameters": {
+        "type": "object", "patternProperties": {"^q$": {"type": "integer"}}, "required": ["q"],
+        "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "prefix", "parameters": {
+        "type": "object", "patternProperties": {"^q": {"type": "integer"}}, "required": ["q"],
+        "additionalProperties": False}}},
+])
+
+
+@pytest.mark.parametrize(("name", "head", "accepted", "rejected"), [
+    ("do_it", '{"a": "value" ,"q": \n-1', ['{"q": 1}', '{"a": "v", "q": -1}'],
+     ['{"q": "x"}', '{"q": 1, "z": 2}']),
+    ("own", '{"q": 1, "r": 2', ['{"q": 1, "r": 2}', '{"a": "", "q": 1, "r": 2}'],
+     ['{"q": 1}', '{"q": 1, "r": "x"}']),
+    ("bare", '{"q": 1', ['{"q": 1}'], ['{"q": 1.5}', '{"q": 1, "a": 2}']),
+])
+def test_a_key_only_a_pattern_declares_has_no_dead_end_in_json(vocab: Vocab, name: str, head: str,
+                                                               accepted: list[str], rejected: list[str]) -> None:
+    """After the last key a JSON call can only close its arguments: llguidance let ", " follow a key that a
+    pattern naming no other key holds, and then allowed nothing but blanks."""
+    grammar = tool_call_grammar(JSON, PATTERNED, mode="required", function=name)
+    last_key = f'{{"name": "{name}", "arguments": {head}'
+    assert vocab.run(grammar, last_key + ",") == "reject"
+    assert vocab.run(grammar, last_key + " ,") == "reject"
+    assert vocab.run(grammar, last_key + "}}") == "accept"
+    for arguments in accepted:
+        assert vocab.run(grammar, _json_call(name, arguments)) == "accept", arguments
+    for arguments in rejected:
+        assert vocab.run(grammar, _json_call(name, arguments)) == "reject", arguments
+
+
+def test_a_pattern_that_admits_more_keys_still_admits_them(vocab: Vocab) -> None:
+    grammar = tool_call_grammar(JSON, PATTERNED, mode="required", function="prefix")
+    assert vocab.run(grammar, _json_call("prefix", '{"q": 1, "q2": 2}')) == "accept"
+    assert vocab.run(grammar, _json_call("prefix", '{"q": 1, "z": 2}')) == "reject"
+
+
+@pytest.mark.parametrize("dialect", ["qwen_xml", "minicpm_xml"])
+def test_xml_grammars_type_a_key_only_a_pattern_declares(vocab: Vocab, dialect: str) -> None:
+    """A required key declared only through patternProperties is typed by the pattern's schema (it was free text,
+    and the model wrote "\n\n" where an integer was due)."""
+    tools = PATTERNED[:1]
+    grammar = _required_grammar(dialect, tools)
+    assert vocab.run(grammar, _one_argument_call(dialect, "do_it", "q", "5")) == "accept"
+    for text in ("x", "\n\n", "1.5"):
+        assert vocab.run(grammar, _one_argument_call(dialect, "do_it", "q", json.dumps(text))) == "reject", text
+    parser = DIALECTS[dialect].parser(tools)
+    events = parser.feed(_one_argument_call(dialect, "do_it", "q", "5")) + parser.finish()
+    assert [json.loads(e.arguments) for e in events if isinstance(e, CallEnd)] == [{"q": 5}]
+
+
+UNEVALUATED = parse_tools([
+    {"type": "function", "function": {"name": "merged", "parameters": {
+        "type": "object", "allOf": [{"properties": {"a": {"type": "integer"}}}], "unevaluatedProperties": False,
+        "required": ["a"]}}},
+    {"type": "function", "function": {"name": "shape", "parameters": {
+        "type": "object", "properties": {"kind": {"type": "string"}, "box": {
+            "type": "object", "anyOf": [{"properties": {"r": {"type": "number"}}}, {"properties": {"w": {}}}],
+            "unevaluatedProperties": False}}}}},
+    {"type": "function", "function": {"name": "typed", "parameters": {
+        "type": "object", "properties": {"a": {"type": "string"}}, "unevaluatedProperties": {"type": "integer"}}}},
+])
+
+
+@pytest.mark.parametrize(("name", "accepted", "rejected"), [
+    ("merged", ['{"a": 1}'], ['{"a": 1, "b": "feller"}', '{"a": "x"}']),
+    ("shape", ['{"box": {"r": 1}}', '{"kind": "c", "box": {"w": 2}}'], ['{"box": {"r": 1, "h": 2}}']),
+    ("typed", ['{"a": "x", "b": 2}', '{"b": 1}'], ['{"b": "x"}']),
+])
+def test_json_unevaluated_properties_close_the_object(vocab: Vocab, name: str, accepted: list[str],
+                                                      rejected: list[str]) -> None:
+    """unevaluatedProperties, which llguidance ignores, becomes the additionalProperties it means over the keys the
+    object and its members declare: false closes the object ({"a": 1, "b": "feller"} came back), a schema holds the
+    other keys to it."""
+    grammar = tool_call_grammar(JSON, UNEVALUATED, mode="required", function=name)
+    for arguments in accepted:
+        assert vocab.run(grammar, _json_call(name, arguments)) == "accept", arguments
+    for arguments in rejected:
+        assert vocab.run(grammar, _json_call(name, arguments)) == "reject", arguments
 
 
 # --- response_format ---

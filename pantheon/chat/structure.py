@@ -11,7 +11,6 @@ not a JSON schema, or that no arguments meet, is a 400 in every dialect. Tools w
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +20,7 @@ import llguidance
 from pantheon.chat.request import ChatRequest
 from pantheon.chat.tools import (Dialect, ToolSpec, dialect_for, json_object_grammar, minicpm_call_grammar,
                                  parse_tools, tool_call_grammar)
-from pantheon.chat.tools.arguments import schema_types
+from pantheon.chat.tools.arguments import key_schema, schema_types, value_has_type
 from pantheon.config import EnvKnobs
 from pantheon.engine.constraints import GrammarController
 from pantheon.engine.loader import LoadedModel
@@ -84,16 +83,19 @@ def _named_function(tool_choice: Any, enforced: bool) -> str | None:
 
 def _admits_no_value(schema: Any, *, an_object: bool = False) -> bool:
     """Whether a schema (already through `resolved_schema`) is one that no value meets on its face: `false`, an
-    empty `enum`, `not` of everything, an empty `type` list (an allOf whose members share no type), an object
-    that requires a key its schema forbids or holds to a schema of this kind (or an `allOf` holding one of
-    these). `an_object`: the value is an object whatever the schema says (a call's arguments); otherwise a
-    schema's `required` binds only where it admits objects alone. Bounds that cross (minimum > maximum)
-    llguidance refuses itself."""
+    empty `enum` (as an allOf of enums or consts with no value in common merges to), an `enum` or `const` whose
+    values are none of its `type`, `not` of everything, an empty `type` list (an allOf whose members share no
+    type), an object that requires a key its schema forbids or holds to a schema of this kind (or an `allOf`
+    holding one of these). `an_object`: the value is an object whatever the schema says (a call's arguments);
+    otherwise a schema's `required` binds only where it admits objects alone. Bounds that cross (minimum >
+    maximum) llguidance refuses itself."""
     if schema is False:
         return True
     if not isinstance(schema, dict):
         return False
-    if isinstance(schema.get("enum"), list) and not schema["enum"]:
+    if isinstance(schema.get("enum"), list) and not any(value_has_type(v, schema.get("type")) for v in schema["enum"]):
+        return True
+    if "const" in schema and not value_has_type(schema["const"], schema.get("type")):
         return True
     if "not" in schema and (schema["not"] is True or schema["not"] == {}):
         return True
@@ -106,32 +108,14 @@ def _admits_no_value(schema: Any, *, an_object: bool = False) -> bool:
 
 
 def _required_key_no_value_meets(schema: dict) -> str | None:
-    """A key an object schema requires whose value no value meets: a declared property's schema is of that
-    kind, or an undeclared key that no patternProperties names falls to `additionalProperties` that is."""
+    """A key an object schema requires whose value no value meets (`key_schema`: its property, the
+    patternProperties that match it, else additionalProperties, hold it to a schema of that kind). A key that a
+    pattern Python cannot read might match is not judged."""
     required = schema.get("required")
-    props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
-    patterns = schema.get("patternProperties") if isinstance(schema.get("patternProperties"), dict) else {}
     for key in required if isinstance(required, list) else ():
-        if not isinstance(key, str):
-            continue
-        if key in props:
-            held = props[key]
-        elif any(_may_match(pattern, key) for pattern in patterns):
-            continue  # a pattern's schema holds it; not judged here
-        else:
-            held = schema.get("additionalProperties", True)
-        if _admits_no_value(held):
+        if isinstance(key, str) and _admits_no_value(key_schema(schema, key)):
             return key
     return None
-
-
-def _may_match(pattern: Any, key: str) -> bool:
-    """Whether a patternProperties regex (ECMA 262, read here as Python's) can match `key`; True where Python
-    cannot read it, so that a key is never judged forbidden by a misread pattern."""
-    try:
-        return re.search(pattern, key) is not None
-    except (re.error, TypeError):
-        return True
 
 
 def _check_enforceable(tools: list[ToolSpec]) -> None:
@@ -152,12 +136,12 @@ def _check_enforceable(tools: list[ToolSpec]) -> None:
 def _why_no_arguments_meet(schema: dict) -> str | None:
     """What makes a tool's arguments schema (`ToolSpec.arguments_schema`) one that no arguments meet, or None."""
     props = schema.get("properties")
-    for key, held in (props.items() if isinstance(props, dict) else ()):
-        if _admits_no_value(held):
+    for key in (props if isinstance(props, dict) else ()):
+        if _admits_no_value(key_schema(schema, key)):
             return f"parameter {key!r} has a schema no value meets"
     key = _required_key_no_value_meets(schema)
     if key is not None:  # not a declared one: those were judged above
-        return f"requires parameter {key!r}, which its additionalProperties forbids"
+        return f"requires parameter {key!r}, which its patternProperties or additionalProperties forbid"
     if _admits_no_value(schema, an_object=True):
         return "parameters have a schema no arguments meet"
     return None

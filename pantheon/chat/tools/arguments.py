@@ -16,6 +16,7 @@ import copy
 import json
 import math
 import re
+from fractions import Fraction
 from typing import Any
 
 _PY_TYPES: list[tuple[type, str]] = [(bool, "boolean"), (int, "integer"), (float, "number"), (str, "string"),
@@ -32,11 +33,11 @@ _REF_DEPTH = 8
 
 def resolved_schema(schema: Any) -> dict:
     """A tool's parameters schema with its local `$ref`s inlined ("#/$defs/X", "#/definitions/X", any JSON
-    pointer into the schema, "#" itself) and each `allOf` of objects merged into its parent (properties and
-    required keys joined, types intersected; another keyword the parent lacks taken from the first member that
-    has it), so that the call grammars and the argument typing see the keys and types that Pydantic-, zod- and
-    MCP-style schemas declare through them. `$schema`, `$id`, `$defs` and `definitions` are dropped; a reference
-    that resolves to nothing (or a remote one) becomes "any value"."""
+    pointer into the schema, "#" itself) and each `allOf` of objects merged into its parent (`_merged`: properties
+    and required keys joined, types, bounds and enums intersected; another keyword the parent lacks taken from the
+    first member that has it), so that the call grammars and the argument typing see the keys and types that
+    Pydantic-, zod- and MCP-style schemas declare through them. `$schema`, `$id`, `$defs` and `definitions` are
+    dropped; a reference that resolves to nothing (or a remote one) becomes "any value"."""
     if not isinstance(schema, dict):
         return {}
     out = _resolve(schema, schema, 0)
@@ -87,24 +88,129 @@ def _resolve(node: Any, root: dict, depth: int) -> Any:
 def _merged(schema: dict, member: dict) -> dict:
     """`schema` with an allOf `member` merged in, so that what the grammars read of the one schema is what a
     value must meet for both: properties and required keys joined (a property both declare merged the same way),
-    types intersected (`_common_types`), any other keyword kept from `schema` when it has it, else taken."""
+    types intersected (`_common_types`), each bound the tighter of the two (`_tighter`), `enum` / `const` the
+    values both allow (`_merge_values`), an enum left with the values of the merged type; any other keyword kept
+    from `schema` when it has it, else taken (a second `pattern` or `format` is not enforced)."""
+    if _draft4_bounds(schema) or _draft4_bounds(member):
+        schema, member = _draft6_bounds(schema), _draft6_bounds(member)
     out = dict(schema)
     for key, value in member.items():
         if key == "properties" and isinstance(value, dict):
             props = out.get("properties")
             have = props if isinstance(props, dict) else {}
-            out["properties"] = {**have, **{k: _both(have[k], v) if k in have else v for k, v in value.items()}}
+            out["properties"] = {**have, **{k: both_schemas(have[k], v) if k in have else v
+                                            for k, v in value.items()}}
         elif key == "required" and isinstance(value, list):
             have = out.get("required") if isinstance(out.get("required"), list) else []
             out["required"] = have + [k for k in value if k not in have]
         elif key == "type" and "type" in out:
             out["type"] = _common_types(out["type"], value)
-        elif key not in out:
+        elif key in _LOWER_BOUNDS or key in _UPPER_BOUNDS or key == "multipleOf":
+            out[key] = _tighter(key, out[key], value) if key in out else value
+        elif key not in out and key not in ("enum", "const"):
             out[key] = value
+    _merge_values(out, schema, member)
+    if isinstance(out.get("enum"), list) and _type_names(out.get("type")) is not None:
+        out["enum"] = [v for v in out["enum"] if value_has_type(v, out["type"])]
     return out
 
 
-def _both(first: Any, second: Any) -> Any:
+# Bounds whose tighter value is the larger (a lower bound) or the smaller (an upper bound); each holds only
+# values of one kind (numbers, strings, arrays, objects), so the tightest of each is what a value meets for both.
+_LOWER_BOUNDS = ("minimum", "exclusiveMinimum", "minLength", "minItems", "minProperties", "minContains")
+_UPPER_BOUNDS = ("maximum", "exclusiveMaximum", "maxLength", "maxItems", "maxProperties", "maxContains")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _tighter(key: str, first: Any, second: Any) -> Any:
+    """The bound `key` a value meeting both `first` and `second` meets; `first` where either is not a number.
+    Two `multipleOf`s make their least common multiple (exact for the decimals a schema writes: 0.5 and 0.3
+    make 1.5)."""
+    if not (_is_number(first) and _is_number(second)):
+        return first
+    if key == "multipleOf":
+        return _common_multiple(first, second)
+    return max(first, second) if key in _LOWER_BOUNDS else min(first, second)
+
+
+def _common_multiple(first: float, second: float) -> Any:
+    if first <= 0 or second <= 0 or not (math.isfinite(first) and math.isfinite(second)):
+        return first
+    a, b = Fraction(repr(first)), Fraction(repr(second))  # repr: the decimal the schema wrote
+    lcm = Fraction(math.lcm(a.numerator, b.numerator), math.gcd(a.denominator, b.denominator))
+    return int(lcm) if lcm.denominator == 1 else float(lcm)
+
+
+def _draft4_bounds(schema: dict) -> bool:
+    return isinstance(schema.get("exclusiveMinimum"), bool) or isinstance(schema.get("exclusiveMaximum"), bool)
+
+
+def _draft6_bounds(schema: dict) -> dict:
+    """A schema's draft-4 bounds (`exclusiveMinimum: true` beside `minimum`) as draft-6 ones (`exclusiveMinimum`:
+    the number), so that the bounds of two schemas written either way can be compared keyword by keyword."""
+    out = dict(schema)
+    for exclusive, inclusive in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
+        if not isinstance(out.get(exclusive), bool):
+            continue
+        if out.pop(exclusive) and _is_number(out.get(inclusive)):
+            out[exclusive] = out.pop(inclusive)
+    return out
+
+
+def _merge_values(out: dict, schema: dict, member: dict) -> None:
+    """Set `out`'s `enum` / `const` to the values both `schema` and `member` allow: a `const` stays one while both
+    allow its value; values neither allows make an empty `enum`, the schema no value meets."""
+    theirs = _allowed_values(member)
+    if theirs is None:
+        return
+    mine = _allowed_values(schema)
+    common = theirs if mine is None else [v for v in mine if any(same_json(v, w) for w in theirs)]
+    out.pop("enum", None)
+    out.pop("const", None)
+    if common and ("const" in schema or "const" in member):
+        out["const"] = common[0]
+    else:
+        out["enum"] = common
+
+
+def _allowed_values(schema: dict) -> list | None:
+    """The values a schema's `enum` and `const` allow; None when it has neither."""
+    values = list(schema["enum"]) if isinstance(schema.get("enum"), list) else None
+    if "const" in schema:
+        const = schema["const"]
+        values = [const] if values is None else [v for v in values if same_json(v, const)]
+    return values
+
+
+def same_json(first: Any, second: Any) -> bool:
+    """JSON equality, as `enum` and `const` compare: 1 and 1.0 are one number, true is not 1."""
+    if isinstance(first, bool) or isinstance(second, bool):
+        return isinstance(first, bool) and isinstance(second, bool) and first == second
+    if _is_number(first) or _is_number(second):
+        return _is_number(first) and _is_number(second) and first == second
+    if isinstance(first, list) and isinstance(second, list):
+        return len(first) == len(second) and all(same_json(a, b) for a, b in zip(first, second))
+    if isinstance(first, dict) and isinstance(second, dict):
+        return first.keys() == second.keys() and all(same_json(v, second[k]) for k, v in first.items())
+    return type(first) is type(second) and first == second
+
+
+def value_has_type(value: Any, declared: Any) -> bool:
+    """Whether a JSON value is of one of the types a `type` keyword names (an integral number is an "integer",
+    every integer a "number"); True when the keyword names none it can read."""
+    names = _type_names(declared)
+    if names is None:
+        return True
+    kind = _type_of(value)
+    if kind == "number" and float(value).is_integer():
+        kind = "integer"
+    return kind in names or (kind == "integer" and "number" in names)
+
+
+def both_schemas(first: Any, second: Any) -> Any:
     """One schema for a value that must meet two (boolean schemas included)."""
     if first is False or second is False:
         return False
@@ -113,6 +219,40 @@ def _both(first: Any, second: Any) -> Any:
     if isinstance(first, dict) and isinstance(second, dict):
         return _merged(first, second)
     return first
+
+
+def key_schema(schema: Any, key: str) -> Any:
+    """The schema the value at `key` of an object held to `schema` meets: its `properties` entry merged with
+    the schema of every `patternProperties` regex that matches the key (JSON schema applies them all), else its
+    `additionalProperties`; None when nothing holds the key, or a regex Python cannot read might. So that a
+    key declared only through `required` and a pattern (`"^q$": {"type": "integer"}`) is typed as the pattern
+    says, not written as text."""
+    if not isinstance(schema, dict):
+        return None
+    props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+    patterns = schema.get("patternProperties") if isinstance(schema.get("patternProperties"), dict) else {}
+    held = [props[key]] if key in props else []
+    unsure = False
+    for pattern, sub in patterns.items():
+        hit = pattern_matches(pattern, key)
+        unsure = unsure or hit is None
+        if hit:
+            held.append(sub)
+    if not held:
+        return None if unsure else schema.get("additionalProperties")
+    out = held[0]
+    for sub in held[1:]:
+        out = both_schemas(out, sub)
+    return out
+
+
+def pattern_matches(pattern: Any, key: str) -> bool | None:
+    """Whether a `patternProperties` regex (ECMA 262, a search) matches `key`, read as Python's regex; None
+    where Python cannot read it."""
+    try:
+        return re.search(pattern, key) is not None
+    except (re.error, TypeError):
+        return None
 
 
 def _type_names(declared: Any) -> list[str] | None:
@@ -213,10 +353,9 @@ def type_json_value(value: Any, schema: Any) -> Any:
 
 def type_arguments(arguments: dict, parameters: Any) -> dict:
     """Type each top-level argument of a JSON-dialect call from the tool's parameters schema."""
-    props = parameters.get("properties") if isinstance(parameters, dict) else None
-    if not isinstance(props, dict):
+    if not isinstance(parameters, dict):
         return arguments
-    return {k: type_json_value(v, props.get(k)) for k, v in arguments.items()}
+    return {k: type_json_value(v, key_schema(parameters, k)) for k, v in arguments.items()}
 
 
 def loads_forgiving(text: str) -> Any:

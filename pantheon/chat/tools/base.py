@@ -16,7 +16,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from pantheon.chat.tools.arguments import loads_json, resolved_schema, streams_as_string, type_value
+from pantheon.chat.tools.arguments import key_schema, loads_json, resolved_schema, streams_as_string, type_value
 from pantheon.errors import invalid_request
 
 
@@ -33,11 +33,10 @@ class ToolSpec:
         return resolved_schema(self.parameters)
 
     def parameter_schema(self, key: str) -> dict | None:
-        """The schema of one argument, or None when the tool does not declare it."""
-        props = self.arguments_schema.get("properties")
-        if isinstance(props, dict) and isinstance(props.get(key), dict):
-            return props[key]
-        return None
+        """The schema of one argument (`key_schema`: its property, the patternProperties that match it, else
+        additionalProperties), or None when nothing in the tool's schema describes it."""
+        held = key_schema(self.arguments_schema, key)
+        return held if isinstance(held, dict) else None
 
 
 # OpenAI's rule for function names (letters, digits, "_", "-"), plus "." and ":" that namespaced (MCP) tools

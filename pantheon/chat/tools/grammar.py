@@ -31,7 +31,7 @@ import json
 import re
 from typing import Any
 
-from pantheon.chat.tools.arguments import resolved_schema, schema_types
+from pantheon.chat.tools.arguments import both_schemas, key_schema, resolved_schema, schema_types
 from pantheon.chat.tools.base import Dialect, ToolSpec
 from pantheon.errors import invalid_request
 
@@ -172,13 +172,19 @@ def _qwen_function(i: int, tool: ToolSpec, rules: list[str]) -> str:
 def _arguments_in_order(tool: ToolSpec) -> list[tuple[str, dict, bool]]:
     """(name, schema, required) of a tool's arguments in the order its calls' grammars take them: the required
     ones first (declared ones in schema order, then any the schema requires without declaring), then the
-    optional ones in schema order."""
+    optional ones in schema order. Each is typed by `key_schema`: a key that only `required` and a
+    patternProperties regex declare takes the pattern's schema."""
     params = tool.arguments_schema
     props = params.get("properties") if isinstance(params.get("properties"), dict) else {}
     required = params.get("required") if isinstance(params.get("required"), list) else []
     required = [k for k in props if k in required] + [k for k in required if isinstance(k, str) and k not in props]
-    return [(key, props[key] if isinstance(props.get(key), dict) else {}, key in required)
+    return [(key, _as_dict(key_schema(params, key)), key in required)
             for key in required + [k for k in props if k not in required]]
+
+
+def _as_dict(schema: Any) -> dict:
+    """A schema for the grammars' readers: a boolean one (or none) reads as any value."""
+    return schema if isinstance(schema, dict) else {}
 
 
 def _xml_value(schema: dict, name: str, rules: list[str]) -> str | None:
@@ -341,9 +347,12 @@ def _closed(schema: Any, close: str = "declared") -> Any:
 
     A closed object's keys are its properties, its required keys and those its allOf / anyOf / oneOf / then /
     else / dependentSchemas members declare (each added as a property of any value, which the member still holds
-    to its own schema), so that no value the schema admitted with only those keys is refused. An object that says itself
-    which other keys it takes (`additionalProperties`, `unevaluatedProperties`), or whose minProperties its keys
-    cannot meet, is left as it is."""
+    to its own schema), so that no value the schema admitted with only those keys is refused. An object that says
+    itself which other keys it takes (`additionalProperties`, `unevaluatedProperties: true`), or whose
+    minProperties its keys cannot meet, is left as it is; one with `unevaluatedProperties` false (or a schema),
+    which llguidance ignores, is closed over the same keys in any case, the keyword becoming the
+    `additionalProperties` it means there. Patterns that name only keys it already has are folded into them
+    (`_fold_literal_patterns`)."""
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
@@ -362,6 +371,9 @@ def _closed(schema: Any, close: str = "declared") -> Any:
     low = out.get("minProperties")
     if closing and isinstance(low, (int, float)) and low > len(keys) and "patternProperties" not in out:
         closing = False
+    others: Any = False  # what the keys the object does not declare take, once it is closed
+    if "additionalProperties" not in out and out.get("unevaluatedProperties", True) not in (True, {}):
+        closing, others = True, _closed(out.pop("unevaluatedProperties"))
     # Members stand alone only beside a schema that says nothing of keys: `{"anyOf": [object A, object B]}`.
     alone = close != "never" and not closing and not any(k in out for k in _KEY_KEYWORDS)
     member_close = "declared" if alone else "never"
@@ -377,8 +389,78 @@ def _closed(schema: Any, close: str = "declared") -> Any:
     if closing:
         props = out.get("properties") if isinstance(out.get("properties"), dict) else {}
         out["properties"] = {**props, **{k: {} for k in keys if k not in props}}
-        out["additionalProperties"] = False
+        out["additionalProperties"] = others
+    return _fold_literal_patterns(out)
+
+
+def _fold_literal_patterns(schema: dict) -> dict:
+    """`schema` with each patternProperties regex that names only keys the object already has (its properties
+    and required keys: `"^q$"` beside a required "q") folded into those keys' properties and dropped. llguidance
+    writes an object's keys in order, then lets any key a pattern (or additionalProperties) admits follow: one
+    that admits none but the keys already written still lets ", " follow the last of them, and then nothing can
+    (a dead end, where seeds ended the turn inside the call). Folded, the keys keep the pattern's schema."""
+    patterns = schema.get("patternProperties")
+    if not isinstance(patterns, dict) or not patterns:
+        return schema
+    props = dict(schema["properties"]) if isinstance(schema.get("properties"), dict) else {}
+    required = schema.get("required") if isinstance(schema.get("required"), list) else []
+    named = set(props) | {k for k in required if isinstance(k, str)}
+    kept = {}
+    for pattern, sub in patterns.items():
+        keys = _literal_keys(pattern)
+        if keys is None or not set(keys) <= named:
+            kept[pattern] = sub
+            continue
+        for key in keys:
+            props[key] = both_schemas(props.get(key, True), sub)
+    if len(kept) == len(patterns):
+        return schema
+    out = {**schema, "properties": props, "patternProperties": kept}
+    if not kept:
+        del out["patternProperties"]
     return out
+
+
+# Regex syntax in a pattern; anything else stands for itself, as does punctuation escaped with a backslash.
+_REGEX_SYNTAX = frozenset("\\^$.|?*+()[]{}")
+
+
+def _literal_keys(pattern: Any) -> list[str] | None:
+    """The keys a patternProperties regex matches when it names a few literally: `^name$`, `^(a|b)$`, `^(?:a|b)$`
+    (punctuation escaped or not); None for any other regex, which may match keys no one declared."""
+    if not isinstance(pattern, str) or not pattern.startswith("^"):
+        return None
+    tokens: list[tuple[bool, str]] = []  # (is syntax, character)
+    i = 1
+    while i < len(pattern):
+        ch = pattern[i]
+        if ch == "\\":
+            if i + 1 >= len(pattern) or pattern[i + 1].isalnum() or pattern[i + 1] == "_":
+                return None  # \d, \w, \u0041 ... : a class or an escape read here as no key
+            tokens.append((False, pattern[i + 1]))
+            i += 2
+            continue
+        tokens.append((ch in _REGEX_SYNTAX, ch))
+        i += 1
+    if not tokens or tokens[-1] != (True, "$"):
+        return None
+    body, grouped = tokens[:-1], False
+    for opener in ([(True, "("), (True, "?"), (False, ":")], [(True, "(")]):
+        if body[:len(opener)] == opener and body[-1:] == [(True, ")")]:
+            body, grouped = body[len(opener):-1], True
+            break
+    keys, current = [], ""
+    for syntax, ch in body + [(True, "|")]:
+        if syntax and ch == "|":
+            keys.append(current)
+            current = ""
+        elif syntax:
+            return None
+        else:
+            current += ch
+    if len(keys) > 1 and not grouped:
+        return None  # "^a|b$" is "^a" or "b$", no group around the choice
+    return keys
 
 
 def _declared_keys(schema: dict) -> list[str]:

@@ -200,6 +200,8 @@ class JsonCallParser(StateParser):
             if trigger == "{" and not self._at_line_start(i):
                 continue
             verdict, value_at = _match_head(buf[i:], _HEADS[trigger])
+            if verdict == "maybe" and final and self.call_forced:
+                return self._cut_in_opener(i)
             if verdict == "no" or (verdict == "maybe" and final):
                 continue
             self._pass_text(self._consume(i))
@@ -212,8 +214,19 @@ class JsonCallParser(StateParser):
             self._scanner = JsonValueScanner()
             self._state = "value"
             return True
+        if final and self.call_forced and (opener := partial_suffix(buf, (FENCE, OPEN_WRAPPER))):
+            return self._cut_in_opener(len(buf) - opener)
         keep = 0 if final else partial_suffix(buf, (FENCE, OPEN_WRAPPER))
         self._pass_text(self._consume(len(buf) - keep))
+        return False
+
+    def _cut_in_opener(self, start: int) -> bool:
+        """The output ended inside a call's head (max_tokens cut it at "```", or at "```json", a line break, "{"
+        and the first quote of "name") on a turn whose grammar compels a call: what the grammar forced to be a
+        call is an unfinished call, not answer text, as in the XML dialects."""
+        self._pass_text(self._consume(start))
+        self._consume(len(self._buf))
+        self._fail("unfinished_tool_call", "the output ended inside a tool call opener")
         return False
 
     def _in_value(self, final: bool) -> bool:
