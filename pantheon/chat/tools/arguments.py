@@ -167,7 +167,7 @@ def _merge_values(out: dict, schema: dict, member: dict) -> None:
     if theirs is None:
         return
     mine = _allowed_values(schema)
-    common = theirs if mine is None else [v for v in mine if any(same_json(v, w) for w in theirs)]
+    common = theirs if mine is None else [v for v in mine if any(_same_json(v, w) for w in theirs)]
     out.pop("enum", None)
     out.pop("const", None)
     if common and ("const" in schema or "const" in member):
@@ -181,20 +181,20 @@ def _allowed_values(schema: dict) -> list | None:
     values = list(schema["enum"]) if isinstance(schema.get("enum"), list) else None
     if "const" in schema:
         const = schema["const"]
-        values = [const] if values is None else [v for v in values if same_json(v, const)]
+        values = [const] if values is None else [v for v in values if _same_json(v, const)]
     return values
 
 
-def same_json(first: Any, second: Any) -> bool:
+def _same_json(first: Any, second: Any) -> bool:
     """JSON equality, as `enum` and `const` compare: 1 and 1.0 are one number, true is not 1."""
     if isinstance(first, bool) or isinstance(second, bool):
         return isinstance(first, bool) and isinstance(second, bool) and first == second
     if _is_number(first) or _is_number(second):
         return _is_number(first) and _is_number(second) and first == second
     if isinstance(first, list) and isinstance(second, list):
-        return len(first) == len(second) and all(same_json(a, b) for a, b in zip(first, second))
+        return len(first) == len(second) and all(_same_json(a, b) for a, b in zip(first, second))
     if isinstance(first, dict) and isinstance(second, dict):
-        return first.keys() == second.keys() and all(same_json(v, second[k]) for k, v in first.items())
+        return first.keys() == second.keys() and all(_same_json(v, second[k]) for k, v in first.items())
     return type(first) is type(second) and first == second
 
 
@@ -234,7 +234,7 @@ def key_schema(schema: Any, key: str) -> Any:
     held = [props[key]] if key in props else []
     unsure = False
     for pattern, sub in patterns.items():
-        hit = pattern_matches(pattern, key)
+        hit = _pattern_matches(pattern, key)
         unsure = unsure or hit is None
         if hit:
             held.append(sub)
@@ -246,7 +246,7 @@ def key_schema(schema: Any, key: str) -> Any:
     return out
 
 
-def pattern_matches(pattern: Any, key: str) -> bool | None:
+def _pattern_matches(pattern: Any, key: str) -> bool | None:
     """Whether a `patternProperties` regex (ECMA 262, a search) matches `key`, read as Python's regex; None
     where Python cannot read it."""
     try:
@@ -287,11 +287,9 @@ def schema_types(schema: Any) -> list[str]:
     """The JSON types a schema admits, in preference order; [] when it does not say."""
     if not isinstance(schema, dict):
         return []
-    declared = schema.get("type")
-    if isinstance(declared, str):
-        return [declared]
-    if isinstance(declared, list):
-        return [t for t in declared if isinstance(t, str)]
+    declared = _type_names(schema.get("type"))
+    if declared is not None:
+        return declared
     for key in ("anyOf", "oneOf"):
         subs = schema.get(key)
         if isinstance(subs, list):
