@@ -555,13 +555,16 @@ def test_stop_string_cuts_and_is_not_returned(smollm_server: ServerProcess, base
 
 
 def test_logprobs_stop_before_the_stop_string(smollm_server: ServerProcess, baseline: dict) -> None:
-    """The stop string's tokens are not in logprobs (llama.cpp trims them too): the entries are those of the
-    tokens the returned text starts in, streamed or not."""
+    """The stop string's tokens are not in logprobs (llama-server trims them too), including the token the stop
+    string begins inside (here two characters before its end): the entries are those of the tokens whose whole
+    text is in the returned content, streamed or not."""
     entries = baseline["choices"][0]["logprobs"]["content"]
     tokens = [e["token"] for e in entries]
     stop, at = _spanning_stop(tokens)
-    starts = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
-    expected = [e["token"] for e, start in zip(entries, starts) if start < at]
+    ends = [sum(len(t) for t in tokens[:i + 1]) for i in range(len(tokens))]
+    expected = [e["token"] for e, end in zip(entries, ends) if end <= at]
+    begun = [t for t, end in zip(tokens, ends) if end - len(t) < at]  # tokens the returned text starts in
+    assert begun[:-1] == expected and at < ends[len(expected)]  # the stop begins inside the token left out
     body = chat(smollm_server, **BASE, stop=stop, logprobs=True)
     assert [e["token"] for e in body["choices"][0]["logprobs"]["content"]] == expected
     events = stream_events(smollm_server, {**BASE, "stop": [stop], "logprobs": True})

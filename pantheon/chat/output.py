@@ -8,6 +8,7 @@ next delta that carries text.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -143,10 +144,11 @@ class ChoiceOutput:
         self._tools = tool_parser
         self._max_calls = max_calls  # `parallel_tool_calls: false` -> 1: calls past the first are dropped
         self._want_logprobs = want_logprobs
-        # Logprob entries not sent yet, each with where its token's text begins in the stop filter's input: an
-        # entry goes out once text from there on has passed the filter, and the tokens of a stop string never
-        # go out (llama.cpp trims them too).
-        self._pending_logprobs: list[tuple[int, dict[str, Any]]] = []
+        # Logprob entries not sent yet, each with where its token's text begins and ends in the stop filter's
+        # input: an entry goes out once its whole text has passed the filter, and a token with any character of
+        # a matched stop string never goes out, also one where the stop string begins inside it (llama-server
+        # trims the stop string's tokens too), so streamed and whole answers carry the same entries.
+        self._pending_logprobs: list[tuple[int, int, dict[str, Any]]] = []
         self.content = ""
         self.reasoning = ""
         self.logprobs: list[dict[str, Any]] = []
@@ -212,10 +214,13 @@ class ChoiceOutput:
     def _emit(self, delta: Delta, final: bool = False) -> Delta:
         self.content += delta.content
         self.reasoning += delta.reasoning
-        if self._stop.cut_at is not None:  # the stop string's tokens: never sent, not in the choice's logprobs
-            self._pending_logprobs = [(start, e) for start, e in self._pending_logprobs if start < self._stop.cut_at]
+        cut_at = self._stop.cut_at
+        if cut_at is not None:  # the stop string's tokens: never sent, not in the choice's logprobs
+            self._pending_logprobs = [pending for pending in self._pending_logprobs if pending[1] <= cut_at]
         if final or delta.content or delta.reasoning or delta.tool_calls:
-            ready = [e for start, e in self._pending_logprobs if final or start < self._stop.released]
+            released = self._stop.released
+            ready = [e for _, end, e in itertools.takewhile(lambda p: final or p[1] <= released,
+                                                            self._pending_logprobs)]
             if ready:
                 delta.logprobs = ready
                 self.logprobs += ready
@@ -226,10 +231,11 @@ class ChoiceOutput:
         if self.stopped:
             return Delta()
         self.completion_tokens += 1
-        if self._want_logprobs:
-            self._pending_logprobs.append((self._stop.consumed, self._logprob_entry(sampled)))
+        start = self._stop.consumed
         delta = Delta()
         self._think.push(self._stop.push(self._decoder.push(sampled.token_id)), delta)
+        if self._want_logprobs:
+            self._pending_logprobs.append((start, self._stop.consumed, self._logprob_entry(sampled)))
         self._route_tools(delta, final=False)
         return self._emit(delta)
 
