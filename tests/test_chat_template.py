@@ -117,3 +117,20 @@ def test_chat_template_kwargs_reach_the_template(tokenizer: Tokenizer) -> None:
         with pytest.raises(ApiError) as info:
             parse_chat_request({"messages": [{"role": "user", "content": "Hi"}], **bad})
         assert info.value.status == 400, bad
+
+
+def test_two_assistant_messages_at_the_end_are_refused(tokenizer: Tokenizer) -> None:
+    """The trailing one would be continued, after an assistant turn closed before it: llama-server answers 400,
+    and so does this server, rather than continue text written after the model's own end of turn. One trailing
+    assistant message, or one after a call's result, is continued."""
+    hi, said = {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}
+    template = TURNS + "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    with pytest.raises(ApiError) as info:
+        prompt_text(tokenizer, template, {"messages": [hi, said, {"role": "assistant", "content": "Also"}]})
+    assert info.value.status == 400 and "2 or more assistant messages" in info.value.message
+    assert prompt_text(tokenizer, template, {"messages": [hi, said]}).endswith("<|user|>Hi\n<|assistant|>Hello.")
+    call = {"role": "assistant", "content": None,
+            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
+    result = {"role": "tool", "tool_call_id": "c1", "content": "42"}
+    assert prompt_text(tokenizer, template, {"messages": [hi, call, result, said]}).endswith(
+        "</tool_response>\n<|assistant|>Hello.")
