@@ -31,6 +31,9 @@ BPE_VARIANTS: dict[str, dict[str, Any]] = {
     "userdef": {"userdef": True},
 }
 SPM_VARIANTS: dict[str, dict[str, Any]] = {"spm": {}, "spm-noprefix": {"tokenizer.ggml.add_space_prefix": False}}
+# A Phi-3-like vocabulary (make_tokenizer_refs.PHI3_CHANGES): llama.cpp drops the whitespace after its special
+# tokens, but <unk>, <s> and <|endoftext|>.
+PHI3_RENAMED = {14: "<|user|>", 15: "<|assistant|>", 16: "<|end|>", 17: "<|system|>", 18: "<|endoftext|>"}
 
 
 def read_metadata(path: Path) -> dict[str, Any]:
@@ -210,6 +213,21 @@ def test_spm_matches_llama_cpp(spm_meta, name):
     assert_matches_llama_cpp(tok, REFS["fixtures"][name], SPM_STRINGS)
 
 
+def test_phi3_drops_the_whitespace_after_special_tokens_as_llama_cpp(spm_meta):
+    tokens = list(spm_meta["tokenizer.ggml.tokens"])
+    for i, text in PHI3_RENAMED.items():
+        tokens[i] = text
+    meta = {**spm_meta, "tokenizer.ggml.tokens": tokens, "general.name": "Phi3"}
+    assert_matches_llama_cpp(Tokenizer.from_gguf_metadata(meta), REFS["fixtures"]["spm-phi3"],
+                             SPM_STRINGS + REFS["strings"]["phi3_extra"])
+    # The rule follows the name, as llama.cpp's does ("phi-3" too, any case), and survives the cache's JSON.
+    turn = "<|user|>\nHello there<|end|>\n<|assistant|>\n"
+    phi3 = Tokenizer.from_json(Tokenizer.from_gguf_metadata({**meta, "general.name": "My PHI-3 mini"}).to_json())
+    other = Tokenizer.from_gguf_metadata({**meta, "general.name": "Mistral"})
+    assert phi3.encode(turn) == REFS["fixtures"]["spm-phi3"]["special"][len(SPM_STRINGS)] == [14, 23325, 1504, 16, 15]
+    assert len(other.encode(turn)) > 5
+
+
 def test_spm_decode_matches_llama_detokenize(spm):
     ref = REFS["fixtures"]["spm"]
     for ids, expected in zip(ref["special"], ref["detok"]):
@@ -295,7 +313,7 @@ def test_missing_pieces_are_errors():
     with pytest.raises(TokenizerError, match="format"):
         Tokenizer.from_json('{"format": -1}')
     with pytest.raises(TokenizerError, match="malformed"):
-        Tokenizer.from_json('{"format": 1}')
+        Tokenizer.from_json('{"format": 2}')
 
 
 def test_token_ids_are_checked(spm):

@@ -49,11 +49,13 @@ _TYPE_TO_ATTR = {
     _UNUSED: _A_UNUSED,
     _BYTE: _A_BYTE,
 }
+_RSTRIP_EXEMPT = frozenset({"<unk>", "<s>", "<|endoftext|>"})
+_C_SPACE = " \t\n\v\f\r"
 _A_HIDDEN = _A_CONTROL | _A_UNKNOWN  # not rendered unless special tokens are asked for
 _A_SPECIAL = _A_CONTROL | _A_USER_DEFINED | _A_UNKNOWN  # matched as whole tokens before BPE
 
 # Bump when the to_json() layout changes.
-_FORMAT = 1
+_FORMAT = 2  # 2: `rstrip_special` (the Phi-3 rule) is part of the state
 
 # --- pre-tokenizer regexes (llama.cpp src/llama-vocab.cpp, llm_tokenizer_bpe) ---------------------------
 
@@ -222,6 +224,10 @@ class Tokenizer:
         special = [i for i, a in enumerate(attrs) if a & _A_SPECIAL]
         special.sort(key=lambda i: -len(texts[i].encode()))
         self._special = [(texts[i], i, bool(attrs[i] & _A_HIDDEN)) for i in special]
+        # Special tokens whose following whitespace the partition drops (llama.cpp's RSTRIP attribute): all of
+        # them under `rstrip_special`, except the few llama.cpp exempts.
+        self._rstrip_ids = frozenset(i for i in special if texts[i] not in _RSTRIP_EXEMPT) \
+            if state.get("rstrip_special") else frozenset()
 
         self._token_bytes = self._build_token_bytes(attrs)
         # The most bytes of text one token can stand for (its bytes, or its spelling: a control token's text, a
@@ -301,6 +307,10 @@ class Tokenizer:
         state["add_bos"] = bool(add_bos) if isinstance(add_bos, bool) else defaults["add_bos"]
         prefix = meta.get("tokenizer.ggml.add_space_prefix")
         state["add_space_prefix"] = bool(prefix) if isinstance(prefix, bool) else defaults["prefix"]
+        # llama.cpp strips the whitespace after a special token of a model whose name says Phi-3 (its templates
+        # write "<|user|>\n"; the model was trained without those newlines as tokens of their own).
+        name = meta.get("general.name")
+        state["rstrip_special"] = isinstance(name, str) and any(k in name.lower() for k in ("phi-3", "phi3"))
         return cls(state)
 
     def to_json(self) -> str:
@@ -481,6 +491,8 @@ class Tokenizer:
                         split.append(frag[start:hit])
                     split.append(tok_id)
                     start = hit + len(tok_text)
+                    if tok_id in self._rstrip_ids:  # C's isspace: ASCII whitespace only
+                        start = len(frag) - len(frag[start:].lstrip(_C_SPACE))
                 if start < len(frag):
                     split.append(frag[start:])
             fragments = split
