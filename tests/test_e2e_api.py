@@ -276,7 +276,12 @@ _H2C = b"Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\nHTTP2-Settings: 
     (b"GET /nope HTTP/1.1\r\nHost: x\r\n" + _WEBSOCKET + b"\r\n", 404),
     (b"GET /v1/models HTTP/1.1\r\nHost: x\r\n" + _H2C + b"\r\n", 200),
     (b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00", 404),
-], ids=["websocket-upgrade", "websocket-upgrade-unknown-route", "h2c-upgrade", "http2-preface"])
+    # The absolute form of a target, which RFC 9112 3.2.2 says a server must accept, routes by its path.
+    (b"GET http://127.0.0.1/v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n", 200),
+    (b"GET HTTPS://example.com:8080/v1/models?x=1 HTTP/1.1\r\nHost: example.com\r\n\r\n", 200),
+    (b"GET http://127.0.0.1/nope HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n", 404),
+], ids=["websocket-upgrade", "websocket-upgrade-unknown-route", "h2c-upgrade", "http2-preface", "absolute-form",
+        "absolute-form-https-port-query", "absolute-form-unknown-route"])
 def test_the_server_speaks_http11_only(smollm_server: ServerProcess, raw: bytes, status: int) -> None:
     """Spec: "The server speaks HTTP/1.1 over TCP." Requests asking for a websocket or HTTP/2 are answered as
     HTTP/1.1 requests, with the headers every response carries (hypercorn upgraded h2c and the HTTP/2 preface to

@@ -44,6 +44,16 @@ log = logging.getLogger("pantheon.http")
 Handler = Callable[[dict[str, Any], Receive, Send], Awaitable[None]]
 
 
+def _origin_path(target_path: str) -> str:
+    """The route of a request target: an absolute-form target ("http://host:port/v1/models", RFC 9112 3.2.2,
+    which a server must accept) is routed by its path, as the origin-form "/v1/models" is."""
+    scheme, sep, rest = target_path.partition("://")
+    if not sep or scheme.lower() not in ("http", "https"):
+        return target_path
+    _, slash, path = rest.partition("/")
+    return slash + path if slash else "/"
+
+
 @dataclass
 class ServerState:
     registry: Registry
@@ -105,7 +115,7 @@ class App:
             return
         if scope["type"] != "http":
             return
-        method, path = scope["method"].upper(), scope["path"]
+        method, path = scope["method"].upper(), _origin_path(scope["path"])
         status = 0
 
         async def counting_send(message: dict[str, Any]) -> None:
