@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
+import math
+import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -33,13 +36,53 @@ def _model_spec(spec: str) -> tuple[Path, str]:
 def _add_model_flags(parser: argparse.ArgumentParser, *, defaults: bool) -> None:
     """The per-model options (the same set POST /admin/models/load takes)."""
     d = (lambda v: v) if defaults else (lambda v: argparse.SUPPRESS)
-    parser.add_argument("--ctx-cap", type=int, default=d(0), help="per-session context window in tokens")
-    parser.add_argument("--max-sessions", type=int, default=d(0), help="sessions that may hold KV at once (default 4)")
-    parser.add_argument("--max-concurrent", type=int, default=d(0),
+    count = _non_negative_int
+    parser.add_argument("--ctx-cap", type=count, default=d(0), help="per-session context window in tokens")
+    parser.add_argument("--max-sessions", type=count, default=d(0),
+                        help="sessions that may hold KV at once (default 4)")
+    parser.add_argument("--max-concurrent", type=count, default=d(0),
                         help="requests decoded at once (default: max-sessions)")
-    parser.add_argument("--reasoning-budget", type=int, default=d(0), help="force </think> after N reasoning tokens")
+    parser.add_argument("--reasoning-budget", type=count, default=d(0),
+                        help="force </think> after N reasoning tokens")
     parser.add_argument("--dies", type=_dies, default=d(()), help="accelerator dies for the model, e.g. 0,1")
     parser.add_argument("--quantize", action="store_true", default=d(False), help="INT8-quantize float weights at load")
+
+
+# Values refused where they are given, as POST /admin/models/load refuses them, rather than read as the default.
+def _non_negative_int(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"wants an integer, got {value!r}") from None
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative, got {value!r}")
+    return number
+
+
+def _port(value: str) -> int:
+    number = _non_negative_int(value)
+    if number > 65535:
+        raise argparse.ArgumentTypeError(f"a TCP port is 0-65535, got {value!r}")
+    return number
+
+
+def _seconds(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"wants a number of seconds, got {value!r}") from None
+    if not math.isfinite(number) or number < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, got {value!r}")
+    return number
+
+
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def _log_level(value: str) -> str:
+    if value.upper() not in _LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"is one of {', '.join(_LOG_LEVELS)} (any case), got {value!r}")
+    return value.upper()
 
 
 def _dies(value: str) -> tuple[int, ...]:
@@ -90,14 +133,16 @@ def _parser() -> argparse.ArgumentParser:
                        help="a GGUF file to serve (repeatable); default: the embedded SmolLM2-135M-Instruct")
     serve.add_argument("--no-model", action="store_true",
                        help="start with no model (load them later with POST /admin/models/load)")
-    serve.add_argument("--host", default=DEFAULT_HOST)
-    serve.add_argument("--port", type=int, default=DEFAULT_PORT)
+    serve.add_argument("--host", default=DEFAULT_HOST, help=f"address to listen on (default {DEFAULT_HOST})")
+    serve.add_argument("--port", type=_port, default=DEFAULT_PORT, help=f"TCP port (default {DEFAULT_PORT})")
     _add_model_flags(serve, defaults=True)
-    serve.add_argument("--threads", type=int, default=0, help="compute threads (default: the cores available)")
-    serve.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight turns get at shutdown")
+    serve.add_argument("--threads", type=_non_negative_int, default=0,
+                       help="compute threads (default: the cores available)")
+    serve.add_argument("--drain-timeout", type=_seconds, default=30.0,
+                       help="seconds in-flight turns get at shutdown (default 30)")
     serve.add_argument("--session-dir", type=Path, default=None,
                        help="save live sessions here at shutdown and restore them at start")
-    serve.add_argument("--log-level", default="INFO")
+    serve.add_argument("--log-level", type=_log_level, default="INFO", help="DEBUG, INFO (default), WARNING, ...")
 
     sub.add_parser("pull", help="download the default model into $PANTHEON_HOME")
     return parser
@@ -136,6 +181,13 @@ def _serve(args: argparse.Namespace, model_specs: list[tuple[str, list[str]]]) -
     from pantheon.http.server import serve
 
     env = read_env()
+    if args.no_model and model_specs:
+        print("pantheon: --no-model and --model contradict each other: give one", file=sys.stderr)
+        return 1
+    problem = _cannot_listen(args.host, args.port)
+    if problem:  # found before the model loads (and, on a first start, its kernels compile), not after
+        print(f"pantheon: cannot listen on {args.host}:{args.port}: {problem}", file=sys.stderr)
+        return 1
     if args.no_model:
         models: tuple[ModelOptions, ...] = ()
     elif not model_specs:
@@ -156,7 +208,7 @@ def _serve(args: argparse.Namespace, model_specs: list[tuple[str, list[str]]]) -
             return 1
     options = ServeOptions(host=args.host, port=args.port, models=models, threads=args.threads,
                            drain_timeout_s=args.drain_timeout, session_dir=args.session_dir, env=env)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # The forward thread needs the GIL between its compiled steps (sampling, the next step's rows, handing
     # the results to the event loop) while the event loop formats and sends tokens; a thread that waits for
     # the GIL asks its holder to drop it only after the switch interval (Python's default: 5 ms). 0.2 ms
@@ -171,9 +223,34 @@ def _serve(args: argparse.Namespace, model_specs: list[tuple[str, list[str]]]) -
         failed.extend(group.exceptions)
     except* KeyboardInterrupt:
         pass
+    except* OSError as group:
+        listen = [exc for exc in group.exceptions if isinstance(exc, socket.gaierror)
+                  or getattr(exc, "errno", None) in (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES)]
+        if len(listen) < len(group.exceptions):
+            raise
+        # The address was taken between the check above and the bind.
+        failed.append(OSError(f"cannot listen on {args.host}:{args.port}: {listen[0]}"))
     for exc in failed:
-        print(f"pantheon: cannot load model: {exc}", file=sys.stderr)
+        what = exc if isinstance(exc, OSError) else f"cannot load model: {exc}"
+        print(f"pantheon: {what}", file=sys.stderr)
     return 1 if failed else 0
+
+
+def _cannot_listen(host: str, port: int) -> str | None:
+    """Why the server could not listen on host:port (an unknown host, a port in use), or None. A trial bind
+    with the options hypercorn binds with, released at once."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (OSError, UnicodeError) as exc:
+        return str(exc)
+    family, kind, proto, _, address = infos[0]
+    try:
+        with socket.socket(family, kind, proto) as trial:
+            trial.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            trial.bind(address)
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:

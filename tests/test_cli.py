@@ -55,3 +55,39 @@ def test_stream_interval_defaults_to_30_ms_and_reads_the_env() -> None:
     assert read_env({"PANTHEON_STREAM_INTERVAL_MS": "-3"}).stream_interval_ms == 0.0
     with pytest.raises(SystemExit, match="PANTHEON_STREAM_INTERVAL_MS"):
         read_env({"PANTHEON_STREAM_INTERVAL_MS": "soon"})
+
+
+@pytest.mark.parametrize("argv", [
+    ["--ctx-cap", "-5"], ["--max-sessions", "-3"], ["--max-concurrent", "-1"], ["--reasoning-budget", "-1"],
+    ["--threads", "-2"], ["--port", "99999"], ["--port", "x"], ["--drain-timeout", "-1"], ["--drain-timeout", "nan"],
+    ["--drain-timeout", "inf"], ["--log-level", "bogus"], ["--model", "/m/a.gguf", "--ctx-cap", "-1"],
+])
+def test_bad_values_stop_the_start_with_one_line(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """Refused where they are given (as POST /admin/models/load refuses them), not read as the default: a negative
+    --drain-timeout got as far as the shutdown, which then failed without saving the sessions."""
+    with pytest.raises(SystemExit) as info:
+        cli.main(["serve", *argv])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "error: argument" in err and "Traceback" not in err
+
+
+def test_listen_problems_are_found_before_the_model_loads(capsys: pytest.CaptureFixture[str]) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert cli._cannot_listen("127.0.0.1", port)  # in use
+        # --no-model: nothing to load, so the answer comes from the listen check alone, at once.
+        assert cli.main(["serve", "--no-model", "--port", str(port)]) == 1
+    assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
+    assert cli._cannot_listen("nosuch.invalid", 8080)
+    assert cli._cannot_listen("127.0.0.1", 0) is None
+    assert cli.main(["serve", "--no-model", "--model", "/m/a.gguf"]) == 1
+    assert "contradict" in capsys.readouterr().err
+
+
+def test_log_level_takes_any_case() -> None:
+    assert cli._parser().parse_args(["serve", "--log-level", "debug"]).log_level == "DEBUG"
