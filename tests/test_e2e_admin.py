@@ -491,6 +491,16 @@ def test_a_load_without_a_name_serves_the_files_basename(main_clean: ServerProce
     assert set(admin_rows(main_clean)) == {"a", "b"}
 
 
+def test_a_ctx_cap_past_the_models_context_is_served(main_clean: ServerProcess, tiny2: Path) -> None:
+    """As llama-server serves an -c past n_ctx_train (with a warning): tiny2 was trained on 1024 tokens. Before, the
+    cap was cut to 1024 without a word and `context_window_configured` showed the cut value, not the one asked."""
+    row = load_ok(main_clean, {"path": str(tiny2), "name": "long", "ctx_cap": 1500})
+    assert (row["context_window_configured"], row["context_window"]) == (1500, 1500)
+    assert v1_models(main_clean)["long"]["context_window"] == 1500
+    assert chat_ok(main_clean, {**HELLO, "model": "long"})["usage"]["kv_cap"] == 1500
+    unload_ok(main_clean, "long")
+
+
 def test_load_of_a_file_path_with_a_trailing_slash_is_404(main_clean: ServerProcess, default_model_path: Path) -> None:
     # open() refuses "file.gguf/" (not a directory); the load must not find the file by dropping the slash.
     assert_error(load(main_clean, {"path": f"{default_model_path}/", "name": "m"}), 404, "load_failed")

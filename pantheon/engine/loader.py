@@ -272,7 +272,10 @@ def load_served_model(options: ModelOptions, env: EnvKnobs, backend: Any, file: 
         weights_version = quantized_weights_version(weights_version)
     if key is not None:
         mark_warm(key)
-    ctx_cap = min(options.ctx_cap if options.ctx_cap > 0 else DEFAULT_CTX_CAP, model.context_length)
+    ctx_cap = options.ctx_cap if options.ctx_cap > 0 else min(DEFAULT_CTX_CAP, model.context_length)
+    if ctx_cap > model.context_length:  # asked for: served, as llama-server serves it (memory admission still applies)
+        log.warning("%s: --ctx-cap %d is past the %d tokens the model was trained on; positions beyond that may "
+                    "give poor output", options.name, ctx_cap, model.context_length)
     return LoadedModel(
         lltokenizer=file.lltokenizer,
         name=options.name,
