@@ -185,3 +185,30 @@ async def test_closing_a_stream_stops_the_job_and_waits_for_it_even_when_cancell
     assert scope.cancelled_caught and steps[-1] == -1 and stream.ended
     assert await forward.run(lambda: "after") == "after"
     forward.close()
+
+
+async def test_the_thread_lets_go_of_a_finished_jobs_arguments() -> None:
+    """The thread outlives every model it serves: it held its last job (a stream's closures, which reach the
+    scheduler and the model) while it waited for the next one, so an unloaded model stayed in memory."""
+    import gc
+    import weakref
+
+    class Rows:  # no reference cycles: freed by reference counting alone, once nothing holds it
+        pass
+
+    thread = ForwardThread()
+    rows = Rows()
+    gone = weakref.ref(rows)
+    assert await thread.run(lambda r: 7, rows) == 7
+    stream = thread.stream(lambda emit, stream, r: emit(1), rows)
+    assert await stream.next() == 1
+    await stream.close()
+    del rows, stream
+    gc.disable()
+    try:
+        with trio.fail_after(5):
+            while gone() is not None:  # the thread drops them right after delivering the outcome
+                await trio.sleep(0.01)
+    finally:
+        gc.enable()
+    thread.close()

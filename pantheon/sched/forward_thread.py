@@ -104,6 +104,9 @@ class ForwardThread:
                 deliver(outcome.capture(fn, *args))
             except trio.RunFinishedError:  # the event loop is gone; nobody is waiting
                 pass
+            # Not held while the thread waits for the next job: the last job's closures reach its scheduler
+            # and model, which an unload must be able to free (the thread outlives every model it served).
+            del job, fn, args, deliver
 
     def _ensure_started(self) -> None:
         with self._lock:

@@ -11,6 +11,8 @@ other instances already claimed, or PN_HOST_BUDGET_BYTES when set.
 
 from __future__ import annotations
 
+import gc
+
 import functools
 import logging
 import stat
@@ -57,6 +59,9 @@ def slot_count(options: ModelOptions) -> int:
     """Sessions own up to two slots each; stateless turns always find one of max_concurrent more."""
     return 2 * options.resolved_max_sessions + options.resolved_max_concurrent
 
+
+# How long an unload waits for a cancelled scheduler task to return before it frees what it can.
+UNLOAD_TASK_WAIT_S = 5.0
 
 class ModelManager:
     def __init__(self, registry: Registry, env: EnvKnobs, backend: Any, die_manager: Any = None,
@@ -206,8 +211,11 @@ class ModelManager:
         assert self._nursery is not None, "ModelManager.run is not running"
 
         async def run_instance() -> None:
-            with instance.cancel_scope:
-                await scheduler.run()
+            try:
+                with instance.cancel_scope:
+                    await scheduler.run()
+            finally:
+                instance.stopped.set()
 
         self._nursery.start_soon(run_instance)
         self.registry.add(instance)
@@ -227,6 +235,19 @@ class ModelManager:
 
     # -- unload --------------------------------------------------------------------------------------------
     async def unload(self, name: str) -> None:
+        stopped = await self._stop_instances(name)
+        # The instances' objects hold reference cycles (a scheduler and its bound methods, jobs and their
+        # completions), which only the cyclic collector frees, and it may not run for a long while: a server
+        # that loaded, served and unloaded a model 30 times held every copy (+50 MB a round for a tiny model).
+        # Collected here, once their scheduler tasks (cancelled) have returned and nothing here holds them.
+        with trio.move_on_after(UNLOAD_TASK_WAIT_S):
+            for event in stopped:
+                await event.wait()
+        gc.collect()
+        log.info("unloaded %s", name)
+
+    async def _stop_instances(self, name: str) -> list[trio.Event]:
+        """Drain and stop the instances serving `name`; the events their scheduler tasks set on return."""
         instances = self.registry.find_all(name)
         if not instances:
             raise ApiError(404, "unload_failed", f"model {name!r} is not loaded")
@@ -252,4 +273,4 @@ class ModelManager:
                     thread = self._forward_threads.pop(id(inst.backend), None)
                     if thread is not None:
                         thread.close()
-        log.info("unloaded %s", name)
+        return [inst.stopped for inst in instances]

@@ -22,6 +22,7 @@ class ModelInstance:
     unloading: bool = False
     # Cancels this instance's scheduler task (and its watch timers) when it is unloaded.
     cancel_scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+    stopped: trio.Event = field(default_factory=trio.Event)  # set when that task has returned
     weights_bytes: int = 0
     state_bytes: int = 0
     backend: Any = None  # the backend its forward passes run on
