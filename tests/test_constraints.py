@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from pantheon.config import read_env
-from pantheon.engine.constraints import (Controllers, GrammarController, ReasoningBudget, ends_inside_a_character,
-                                         grammar_tokenizer)
+from pantheon.engine.constraints import (Controllers, GrammarController, LazyGrammarController, ReasoningBudget,
+                                         ends_inside_a_character, grammar_tokenizer)
 from pantheon.io.gguf_file import open_gguf
 from pantheon.io.tokenizer import Tokenizer
 
@@ -141,3 +141,60 @@ def test_composite_forces_first_and_intersects_masks(lltok, tokenizer) -> None:
         forced.append(f)
     assert forced == close and grammar.completed
     assert isinstance(both.mask(), np.ndarray) or both.mask() is None
+
+
+# A call is "(" lowercase letters ")"; the free text after it is any text (as an "auto" grammar's is).
+LAZY_GRAMMAR = r'start: "(" /[a-z]+/ ")" /(?s:.*)/'
+
+
+def lazy(lltok, tokenizer, *, think: bool = False, opens_think: bool = False) -> LazyGrammarController:
+    compiled = llguidance.LLMatcher(lltok, llguidance.LLMatcher.grammar_from_lark(LAZY_GRAMMAR))
+
+    def arm() -> GrammarController:
+        return GrammarController(compiled.deep_copy(), vocab_size=tokenizer.vocab_size, eos_id=tokenizer.eos_id,
+                                 closers=[tokenizer.encode(")")])
+
+    return LazyGrammarController(arm, lltok.tokenize_bytes, tokenizer.token_bytes, openers=["("], call_ends=[")"],
+                                 think=think, opens_think=opens_think)
+
+
+def masks(c: LazyGrammarController, tokenizer, text: str) -> list[bool]:
+    """Whether each token of `text` was masked (it must have been allowed)."""
+    out = []
+    for t in tokenizer.encode(text, parse_special=False):
+        m = c.mask()
+        assert m is None or m[t], tokenizer.token_bytes(t)
+        out.append(m is not None)
+        c.advance(t)
+    return out
+
+
+def test_a_lazy_grammar_masks_from_its_opener_to_the_end_of_the_call(lltok, tokenizer) -> None:
+    c = lazy(lltok, tokenizer)
+    # Tokens: "call" "(" "ab" ")(" "cd" ")" " done": the token that closes the first call opens the next one.
+    assert masks(c, tokenizer, "call(ab)(cd) done") == [False, False, True, True, True, True, False]
+    assert c.mask() is None and c.stop_requested(tokenizer.eos_id)
+
+
+def test_a_lazy_grammar_reads_the_text_after_the_opener_in_its_token(lltok, tokenizer) -> None:
+    c = lazy(lltok, tokenizer)
+    masks(c, tokenizer, "a (")  # " (": text before the opener in its token
+    assert c.mask() is not None and not c.mask()[tokenizer.encode("1")[0]] and not c.mask()[tokenizer.eos_id]
+    masks(c, tokenizer, "ab")
+    assert c.mask()[tokenizer.eos_id] and c.stop_requested(tokenizer.eos_id) is False  # the closer is appended
+    assert tokenizer.decode([c.forced()]) == ")"
+    # An opener whose token goes on with text the grammar refuses ("();") is text: nothing is masked.
+    c = lazy(lltok, tokenizer)
+    assert masks(c, tokenizer, "x(); y") == [False, False, False]
+
+
+def test_a_lazy_grammar_never_arms_in_the_think_block(lltok, tokenizer) -> None:
+    c = lazy(lltok, tokenizer, think=True, opens_think=True)
+    assert not any(masks(c, tokenizer, "f(ab) (1"))
+    assert c.stop_requested(tokenizer.eos_id)
+    masks(c, tokenizer, "</think>\n(")
+    assert c.mask() is not None
+    c = lazy(lltok, tokenizer, think=True)
+    assert not any(masks(c, tokenizer, " <think>(1 </think>"))
+    masks(c, tokenizer, "(")
+    assert c.mask() is not None

@@ -63,7 +63,7 @@ class Completion:
     created: int = field(default_factory=lambda: int(time.time()))
     jobs: list[GenerationJob] = field(default_factory=list)
     channels: list[trio.MemoryReceiveChannel[Any]] = field(default_factory=list)
-    grammars: list[Any] = field(default_factory=list)  # per choice: its GrammarController or None
+    grammars: list[Any] = field(default_factory=list)  # per choice: its (Lazy)GrammarController or None
     # Events already taken from a choice's channel (the first one, to learn whether it started) and not
     # yet consumed.
     early_events: dict[int, list[Any]] = field(default_factory=dict)
@@ -126,10 +126,11 @@ async def start_completion(instance: ModelInstance, request: ChatRequest, env: E
         completion.n_status = "capped_to_8"
     stop_ids = served.tokenizer.stop_ids
     # ignore_eos bans the end tokens as llama.cpp does (a bias of -inf), where no grammar is armed: a grammar
-    # ends its text with one, and banning it there would leave no token to draw.
-    never = stop_ids if request.ignore_eos and plan.grammar is None else frozenset()
+    # ends its text with one, and banning it there would leave no token to draw. A lazy ("auto") grammar's text
+    # may always go on, inside a call too, and before an opener the turn must decode as without the grammar.
+    never = stop_ids if request.ignore_eos and (plan.grammar is None or plan.lazy) else frozenset()
     for i in range(request.n):
-        grammar = structure.grammar_controller(served, plan)
+        grammar = structure.grammar_controller(served, plan, think=prompt.think, opens_think=prompt.opens_think)
         job = GenerationJob(prompt=prompt.tokens, sampling=_sampling(request, i, never), max_tokens=request.max_tokens,
                             stop_ids=stop_ids, session_key=request.session_id if i == 0 else None,
                             cache_prompt=request.cache_prompt,

@@ -3,8 +3,9 @@ call) and response_format (JSON). Decided per request; the grammar becomes a Gra
 
 Which requests are grammar-constrained (PANTHEON_TOOL_GRAMMAR):
   unset -> tool_choice "required" only; "1" -> every request with tools ("auto" masks once a call opener
-  appears; "required" and a named function compel a call); "0" -> none. A named function without "1"
-  behaves like "auto". MiniCPM's attribute dialect has no "auto" grammar, only one for a turn that must call.
+  appears: its grammar is lazy, armed at the opener by a `LazyGrammarController`; "required" and a named
+  function compel a call from the first token); "0" -> none. A named function without "1" behaves like "auto".
+  MiniCPM's attribute dialect has no "auto" grammar, only one for a turn that must call.
 Before any tool-call grammar is built, the tools' parameters are checked (`_check_enforceable`): one that is
 not a JSON schema, or that no arguments meet, is a 400 in every dialect. Tools win over response_format.
 """
@@ -21,8 +22,9 @@ from pantheon.chat.request import ChatRequest
 from pantheon.chat.tools import (Dialect, ToolSpec, dialect_for, json_object_grammar, minicpm_call_grammar,
                                  parse_tools, tool_call_grammar)
 from pantheon.chat.tools.arguments import key_schema, schema_types, value_has_type
+from pantheon.chat.tools.grammar import auto_call_markers
 from pantheon.config import EnvKnobs
-from pantheon.engine.constraints import GrammarController
+from pantheon.engine.constraints import GrammarController, LazyGrammarController
 from pantheon.engine.loader import LoadedModel
 from pantheon.errors import ApiError, invalid_request
 
@@ -39,6 +41,7 @@ class Structure:
     response_format_status: str | None = None
     json_constrained: bool = False  # a response_format JSON grammar is armed (for "not_enforced")
     call_forced: bool = False  # a tool-call grammar compels a call ("required" or a named function)
+    lazy: bool = False  # an "auto" tool-call grammar: armed once the answer writes a call opener
     # `grammar` compiled once (None without a grammar or a grammar tokenizer); each choice decodes with a copy.
     matcher: Any = None
 
@@ -171,8 +174,10 @@ def _tool_grammar(dialect: Dialect, tools: list[ToolSpec], request: ChatRequest,
         return tool_call_grammar(dialect, tools, mode="required", think=think_mode), True
     if named is not None:
         return tool_call_grammar(dialect, tools, mode="required", function=named, think=think_mode), True
-    mode = "required" if request.tool_choice == "required" else "auto"
-    return tool_call_grammar(dialect, tools, mode=mode, think=think_mode), mode == "required"
+    if request.tool_choice == "required":
+        return tool_call_grammar(dialect, tools, mode="required", think=think_mode), True
+    # "auto": armed at a call opener (`grammar_controller`), never in the think block, which is no part of it.
+    return tool_call_grammar(dialect, tools, mode="auto"), False
 
 
 def _response_format(request: ChatRequest, lltok: Any, think_mode: str
@@ -230,6 +235,7 @@ def plan(served: LoadedModel, request: ChatRequest, env: EnvKnobs, dialect: Dial
     structure = Structure(dialect=dialect, tools=tools)
     lltok = served.lltokenizer
     structure.grammar, structure.call_forced = _tool_grammar(dialect, tools, request, env, think_mode)
+    structure.lazy = structure.grammar is not None and not structure.call_forced
     if structure.grammar is not None and lltok is not None:
         # A schema that passes the metaschema but cannot be enforced (unsatisfiable bounds, a construct the
         # grammar engine lacks): refused, as an invalid one is, rather than decoded unconstrained.
@@ -246,15 +252,27 @@ def plan(served: LoadedModel, request: ChatRequest, env: EnvKnobs, dialect: Dial
     return structure
 
 
-def grammar_controller(served: LoadedModel, structure: Structure) -> GrammarController | None:
-    """A fresh controller for one choice (matchers are stateful)."""
+def grammar_controller(served: LoadedModel, structure: Structure, *, think: bool = False, opens_think: bool = False
+                       ) -> GrammarController | LazyGrammarController | None:
+    """A fresh controller for one choice (matchers are stateful). `think`, `opens_think`: the prompt's (the output
+    may carry a think block; the prompt opened it), which a lazy "auto" grammar skips as the answer's splitter
+    does."""
     if structure.matcher is None:
         return None
-    matcher = structure.matcher.deep_copy()
     tokenizer = served.tokenizer
     if structure.json_constrained:
-        return GrammarController(matcher, vocab_size=served.model.vocab_size, eos_id=tokenizer.eos_id)
+        return GrammarController(structure.matcher.deep_copy(), vocab_size=served.model.vocab_size,
+                                 eos_id=tokenizer.eos_id)
     texts = structure.dialect.closing_texts()
-    return GrammarController(matcher, vocab_size=served.model.vocab_size, eos_id=tokenizer.eos_id,
-                             closers=[tokenizer.encode(c) for c in texts],
-                             last_resort_closers=[tokenizer.encode(p + c) for p in JSON_VALUE_CLOSERS for c in texts])
+    closers = [tokenizer.encode(c) for c in texts]
+    last_resort = [tokenizer.encode(p + c) for p in JSON_VALUE_CLOSERS for c in texts]
+
+    def call() -> GrammarController:
+        return GrammarController(structure.matcher.deep_copy(), vocab_size=served.model.vocab_size,
+                                 eos_id=tokenizer.eos_id, closers=closers, last_resort_closers=last_resort)
+
+    if not structure.lazy:
+        return call()
+    openers, ends = auto_call_markers(structure.dialect)
+    return LazyGrammarController(call, served.lltokenizer.tokenize_bytes, tokenizer.token_bytes, openers=openers,
+                                 call_ends=ends, think=think, opens_think=opens_think)

@@ -3,6 +3,8 @@
 - `GrammarController`: an llguidance matcher gives the allowed tokens at every step (tool calls, JSON).
   When the model ends its turn inside a constrained call at a point where the call can still be closed,
   the controller appends the closing text (forced tokens) instead of leaving the call broken.
+- `LazyGrammarController`: no mask until a call opener appears in the answer (outside the think block); then a
+  `GrammarController` holds the call, from the opener's text on, until the call closes.
 - `ReasoningBudget`: after N tokens inside a <think> block, forces the tokens of "</think>".
 - `Controllers`: several of them on one sequence (forced tokens first, masks intersected).
 
@@ -12,7 +14,7 @@ thread; masks are boolean arrays over the model's vocabulary.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -122,6 +124,108 @@ class GrammarController:
         """The output satisfies the grammar (for response_format_status). A matcher stopped by an error (a token
         the grammar refused, e.g. one forced by a reasoning budget) did not."""
         return not self.matcher.is_error() and (self.matcher.is_accepting() or self.matcher.is_stopped())
+
+
+class LazyGrammarController:
+    """A grammar armed by a trigger, as llama.cpp's lazy grammars with trigger patterns: the turn decodes as it
+    would unconstrained (no mask, the end token anywhere) until one of `openers` appears in the answer's text;
+    `arm()` then gives a fresh `GrammarController` (a matcher of a grammar whose free text may open calls), which
+    is fed the text from the opener on and holds the call; once its matcher accepts (the call closed) it is
+    dropped, and the text after the call's last `call_ends` marker is watched again.
+
+    The think block is never constrained: with `think`, the output's block (already open with `opens_think`,
+    else opened by a "<think>" at its start, after whitespace, as the answer's splitter reads it) is skipped up
+    to "</think>". An opener followed, in the token that completes it, by text the grammar refuses is left as
+    text: masks only apply to tokens after it."""
+
+    _THINK_OPEN, _THINK_CLOSE = b"<think>", b"</think>"
+
+    def __init__(self, arm: Callable[[], GrammarController], tokenize: Callable[[bytes], list[int]],
+                 token_bytes: Callable[[int], bytes], *, openers: Sequence[str], call_ends: Sequence[str],
+                 think: bool, opens_think: bool) -> None:
+        self._arm = arm
+        self._tokenize = tokenize  # bytes -> token ids (any split: the matcher reads bytes)
+        self._token_bytes = token_bytes
+        self._openers = [o.encode() for o in openers]
+        self._ends = [e.encode() for e in call_ends]
+        self._phase = ("inside" if opens_think else "start") if think else "answer"
+        self._text = b""  # answer text not searched through yet (a partial opener or think tag waits here)
+        self.call: GrammarController | None = None  # the armed grammar, while a call is open
+        self._call_text = b""  # the text fed to `call`, from its opener on
+
+    def forced(self) -> int | None:
+        return self.call.forced() if self.call is not None else None
+
+    def mask(self) -> np.ndarray | None:
+        return self.call.mask() if self.call is not None else None
+
+    def advance(self, token: int) -> None:
+        data = self._token_bytes(token)
+        if self.call is None:
+            self._watch(data)
+            return
+        self.call.advance(token)
+        self._call_text += data
+        if self.call.is_finished():
+            return  # its closing text was appended after an end token: the turn ends
+        if self.call.matcher.is_error():
+            # A token it refused (forced past the mask): the call is the parser's to judge, the text free again.
+            self.call, self._call_text = None, b""
+        elif self.call.matcher.is_accepting():
+            self._close_call()
+
+    def stop_requested(self, token: int) -> bool:
+        return self.call.stop_requested(token) if self.call is not None else True
+
+    def is_finished(self) -> bool:
+        return self.call is not None and self.call.is_finished()
+
+    def _close_call(self) -> None:
+        """The call closed: free text again, from the end of its last closing marker (the token that closed it
+        may carry text after it, an opener even)."""
+        text = self._call_text
+        after = max((text.rfind(end) + len(end) for end in self._ends if end in text), default=len(text))
+        self.call, self._call_text = None, b""
+        self._watch(text[after:])
+
+    def _watch(self, data: bytes) -> None:
+        self._text += data
+        while self._text:
+            if self._phase == "start":
+                stripped = self._text.lstrip()
+                if stripped.startswith(self._THINK_OPEN):
+                    self._phase, self._text = "inside", stripped[len(self._THINK_OPEN):]
+                    continue
+                if self._THINK_OPEN.startswith(stripped):
+                    return  # may still become "<think>"
+                self._phase = "answer"
+            if self._phase == "inside":
+                i = self._text.find(self._THINK_CLOSE)
+                if i < 0:
+                    self._text = self._text[-(len(self._THINK_CLOSE) - 1):]  # may be the start of "</think>"
+                    return
+                self._phase, self._text = "answer", self._text[i + len(self._THINK_CLOSE):]
+                continue
+            hits = [(i, o) for o in self._openers if (i := self._text.find(o)) >= 0]
+            if not hits:
+                keep = max(len(o) for o in self._openers) - 1  # the start of an opener the next token may finish
+                self._text = self._text[-keep:] if keep else b""
+                return
+            rest, self._text = self._text[min(hits)[0]:], b""
+            if self._start_call(rest):
+                return
+            self._text = rest[1:]  # not a call the grammar takes: text, and the search goes on
+
+    def _start_call(self, text: bytes) -> bool:
+        """Arm the grammar with `text` (an opener and what followed it); False when the grammar refuses it."""
+        call = self._arm()
+        ids = self._tokenize(text)
+        if call.matcher.validate_tokens(ids) < len(ids) or not call.matcher.consume_tokens(ids):
+            return False
+        self.call, self._call_text = call, text
+        if call.matcher.is_accepting():
+            self._close_call()  # the whole call came in this token
+        return True
 
 
 def ends_inside_a_character(data: bytes) -> bool:

@@ -12,6 +12,12 @@ arguments object, and every object in it with `properties`, takes only the keys 
 `additionalProperties` says otherwise (`_closed`), as the XML dialects write only declared parameters.
 `minicpm_call_grammar` writes the "required" grammar of MiniCPM's attribute XML, which has no "auto" one.
 
+A serve arms an "auto" grammar lazily (`auto_call_markers`, `LazyGrammarController`): the answer decodes
+unconstrained until it writes an opener, then a matcher of the grammar (without the think prelude) reads the
+text from the opener on and holds the call; once the call has closed the text is free again. Masking the free
+text with the whole-turn grammar shifted every logprob (it refuses tokens that are lone UTF-8 continuation
+bytes) and kept the end token out of the think block.
+
 The reasoning block, when the decode has one, comes first and is unconstrained: `think="open"` when the
 prompt already opened it (the output starts inside it, up to "</think>"), `think="optional"` when the output
 may start with "<think>...</think>".
@@ -47,6 +53,9 @@ WS: /[ \t\r\n]{1,20}/
 think_body[lazy]: /(?s:.*)<\/think>/
 """
 _PRELUDE = {"none": "", "open": "think_body", "optional": '("<think>" think_body)?'}
+# The texts that open a call an "auto" grammar holds, and those that close one, per dialect (`auto_call_markers`).
+_AUTO_OPENERS = {"qwen_xml": ("<tool_call>", "<function="), "json": ("```json",)}
+_AUTO_CALL_ENDS = {"qwen_xml": ("</tool_call>", "</function>"), "json": ("```",)}
 _INT = r"/-?(0|[1-9][0-9]*)/"
 _UINT = r"/(0|[1-9][0-9]*)/"
 _NUMBER = r"/-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?/"
@@ -62,6 +71,16 @@ def tool_call_grammar(dialect: Dialect, tools: list[ToolSpec], *, mode: str, fun
     if not dialect.grammar_capable:
         raise ValueError(f"the {dialect.name} dialect has no grammar")
     return _call_grammar(_qwen_xml if dialect.name == "qwen_xml" else _json_calls, tools, mode, function, think)
+
+
+def auto_call_markers(dialect: Dialect) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(openers, ends) of the calls `dialect`'s "auto" grammar holds: a serve arms the grammar where an opener
+    appears and feeds it the text from there; after a call the free text starts past its last end marker. In the
+    JSON dialect only the fence opens a held call, as in the grammar (a bare object, or one in <tool_call>, stays
+    text the parser reads)."""
+    if not dialect.grammar_capable:
+        raise ValueError(f"the {dialect.name} dialect has no \"auto\" grammar")
+    return _AUTO_OPENERS[dialect.name], _AUTO_CALL_ENDS[dialect.name]
 
 
 def minicpm_call_grammar(dialect: Dialect, tools: list[ToolSpec], *, function: str | None = None,
@@ -137,7 +156,7 @@ def _qwen_xml(tools: list[ToolSpec], mode: str, prelude: str) -> str:
             r'call: "<tool_call>\n<function=" fn "</function>\n</tool_call>"',
         ]
     else:
-        openers = "<tool_call>|<function="
+        openers = "|".join(_AUTO_OPENERS["qwen_xml"])
         head = [
             f"start: {prelude} (before_call call | before_bare_call bare_call)* TAIL" if tools else
             f"start: {prelude} TAIL",
