@@ -365,6 +365,10 @@ def test_a_queued_prompt_the_window_no_longer_fits_is_refused_when_its_turn_come
                 sender.join(60)
             error = assert_error(answer["r"], 422, "context_over_budget")
             assert "kv_cap=512" in error["message"], error
+            # As at submit: the fields ride the error object of a streamed request only (spec: non-streaming
+            # puts kv_used/kv_cap in the message text).
+            fields = {k: error[k] for k in ("kv_used", "kv_cap") if k in error}
+            assert fields == ({"kv_used": error.get("kv_used"), "kv_cap": 512} if stream else {}), error
     finally:
         server.stop()
 

@@ -94,8 +94,11 @@ def _sampling(request: ChatRequest, choice: int, never: frozenset[int] = frozens
 
 
 def _context_error(exc: ApiError, request: ChatRequest) -> ApiError:
-    if not request.stream:
-        exc.extra = {}  # non-streaming: kv_used/kv_cap live in the message text only
+    """`exc` as the request hears it: a non-streamed context_over_budget has kv_used/kv_cap in its message text
+    only (spec), wherever it came from (at submit, or while the job waited in the queue and the memory ladder
+    cut the window)."""
+    if not request.stream and exc.error_type == "context_over_budget":
+        exc.extra = {}
     return exc
 
 
@@ -140,7 +143,7 @@ async def start_completion(instance: ModelInstance, request: ChatRequest, env: E
             channel = instance.scheduler.submit(job)
         except ApiError as exc:
             if i == 0:
-                raise _context_error(exc, request) if exc.error_type == "context_over_budget" else exc
+                raise _context_error(exc, request)
             # Fewer than the 8 a cap would leave: the slots are the reason the client must hear.
             completion.n_status = "partial_slot_unavailable"
             break
@@ -218,7 +221,7 @@ async def wait_until_started(completion: Completion) -> None:
         return
     completion.early_events.setdefault(0, []).append(event)
     if isinstance(event, ErrorEvent):
-        raise event.error
+        raise _context_error(event.error, completion.request)
 
 
 async def _events(completion: Completion, index: int) -> AsyncIterator[Any]:
@@ -291,7 +294,7 @@ async def _run_choice(completion: Completion, index: int, on_delta: Any = None, 
                     result.usage = event.usage
                     result.error = event.error
                     if not result.output.completion_tokens and index == 0 and on_delta is None:
-                        raise event.error
+                        raise _context_error(event.error, completion.request)
                     if result.never_ran:  # fewer choices came back than were asked for: say why
                         completion.n_status = ("partial_slot_unavailable" if event.error.error_type == "server_busy"
                                                else "partial_generation_failed")
