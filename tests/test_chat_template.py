@@ -128,9 +128,12 @@ def test_two_assistant_messages_at_the_end_are_refused(tokenizer: Tokenizer) -> 
     with pytest.raises(ApiError) as info:
         prompt_text(tokenizer, template, {"messages": [hi, said, {"role": "assistant", "content": "Also"}]})
     assert info.value.status == 400 and "2 or more assistant messages" in info.value.message
-    assert prompt_text(tokenizer, template, {"messages": [hi, said]}).endswith("<|user|>Hi\n<|assistant|>Hello.")
     call = {"role": "assistant", "content": None,
             "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
+    with pytest.raises(ApiError) as info:  # the last one a call's (not continued, but still after a closed turn)
+        prompt_text(tokenizer, template, {"messages": [hi, said, call]})
+    assert info.value.status == 400 and "2 or more assistant messages" in info.value.message
+    assert prompt_text(tokenizer, template, {"messages": [hi, said]}).endswith("<|user|>Hi\n<|assistant|>Hello.")
     result = {"role": "tool", "tool_call_id": "c1", "content": "42"}
     assert prompt_text(tokenizer, template, {"messages": [hi, call, result, said]}).endswith(
         "</tool_response>\n<|assistant|>Hello.")

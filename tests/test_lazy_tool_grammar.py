@@ -105,9 +105,13 @@ def test_a_call_is_constrained_from_its_opener_and_free_after_it(served: SimpleN
     assert c.mask() is not None and not allowed(served, c, "x")
 
 
-def test_an_end_token_inside_a_call_appends_its_closing_text(served: SimpleNamespace) -> None:
+@pytest.mark.parametrize("opening", [CALL, CALL[len("<tool_call>\n"):]], ids=["tool_call", "bare_function"])
+def test_an_end_token_inside_a_call_appends_its_closing_text(served: SimpleNamespace, opening: str) -> None:
+    """The closing text is appended whole and the turn ends, also for a bare `<function=` call, whose grammar
+    accepts partway through the closer (after `</function>`): the call was dropped there, with the rest of the
+    closer, and the turn went on after the end token the model had drawn."""
     c = controller(served)
-    feed(served, c, "Checking.\n" + CALL[:CALL.index("Paris") + 3])
+    feed(served, c, "Checking.\n" + opening[:opening.index("Paris") + 3])
     assert c.mask()[served.tokenizer.eos_id]  # a closing text completes the call from here
     assert c.stop_requested(served.tokenizer.eos_id) is False
     appended = []

@@ -124,8 +124,8 @@ def build_prompt(served: LoadedModel, request: ChatRequest, *, no_think_default:
     prefill = ""
     last = request.messages[-1]
     continued = last if last.role == "assistant" and not last.tool_calls else None
-    if continued is not None and len(request.messages) > 1 and request.messages[-2].role == "assistant":
-        # Which of them would the reply continue? llama-server refuses the same way.
+    if last.role == "assistant" and len(request.messages) > 1 and request.messages[-2].role == "assistant":
+        # Which of them would the reply continue (or follow, a call's)? llama-server refuses the same way.
         raise invalid_request("Cannot have 2 or more assistant messages at the end of the list.")
     if continued is not None:
         # A trailing assistant message is the start of the reply, continued (llama-server's default): the

@@ -166,8 +166,10 @@ class LazyGrammarController:
             return
         self.call.advance(token)
         self._call_text += data
-        if self.call.is_finished():
-            return  # its closing text was appended after an end token: the turn ends
+        if self.call.is_finished() or self.call.forced() is not None:
+            # Its closing text is (being) appended after an end token: the turn ends once it is, even where the
+            # grammar accepts partway through it (a bare `<function=` call, after `</function>`).
+            return
         if self.call.matcher.is_error():
             # A token it refused (forced past the mask): the call is the parser's to judge, the text free again.
             self.call, self._call_text = None, b""
