@@ -80,9 +80,10 @@ _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 def _log_level(value: str) -> str:
-    if value.upper() not in _LOG_LEVELS:
+    level = {"WARN": "WARNING", "FATAL": "CRITICAL"}.get(value.upper(), value.upper())  # logging's own aliases
+    if level not in _LOG_LEVELS:
         raise argparse.ArgumentTypeError(f"is one of {', '.join(_LOG_LEVELS)} (any case), got {value!r}")
-    return value.upper()
+    return level
 
 
 def _dies(value: str) -> tuple[int, ...]:

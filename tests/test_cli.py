@@ -91,3 +91,4 @@ def test_listen_problems_are_found_before_the_model_loads(capsys: pytest.Capture
 
 def test_log_level_takes_any_case() -> None:
     assert cli._parser().parse_args(["serve", "--log-level", "debug"]).log_level == "DEBUG"
+    assert cli._parser().parse_args(["serve", "--log-level", "warn"]).log_level == "WARNING"
