@@ -219,8 +219,8 @@ class ChoiceOutput:
             self._pending_logprobs = [pending for pending in self._pending_logprobs if pending[1] <= cut_at]
         if final or delta.content or delta.reasoning or delta.tool_calls:
             released = self._stop.released
-            ready = [e for _, end, e in itertools.takewhile(lambda p: final or p[1] <= released,
-                                                            self._pending_logprobs)]
+            ready = [entry for *_, entry in itertools.takewhile(lambda p: final or p[1] <= released,
+                                                                self._pending_logprobs)]
             if ready:
                 delta.logprobs = ready
                 self.logprobs += ready

@@ -11,9 +11,8 @@ other instances already claimed, or PN_HOST_BUDGET_BYTES when set.
 
 from __future__ import annotations
 
-import gc
-
 import functools
+import gc
 import logging
 import stat
 from pathlib import Path
@@ -62,6 +61,7 @@ def slot_count(options: ModelOptions) -> int:
 
 # How long an unload waits for a cancelled scheduler task to return before it frees what it can.
 UNLOAD_TASK_WAIT_S = 5.0
+
 
 class ModelManager:
     def __init__(self, registry: Registry, env: EnvKnobs, backend: Any, die_manager: Any = None,
