@@ -370,3 +370,17 @@ def test_a_copy_source_is_not_written_until_the_copy_is_done() -> None:
     t.unpin(source.index)
     assert not source.taken
     assert t.assign(None, [4, 5, 6]).slot is source  # type: ignore[union-attr]
+
+
+def test_cache_prompt_false_copies_nothing_from_the_ids_other_conversation() -> None:
+    """The README: `"cache_prompt": false` starts a turn cold unless its id resumes its own conversation. A new
+    conversation under an id holding another (a different question after the same system prompt) took a copy
+    of their shared prefix anyway; without the flag it still does."""
+    system = list(range(40))
+    for reuse, cached in ((False, 0), (True, 40)):
+        t, clock = table(copy_prefixes=True)
+        run_turn(t, "s", system + [1, 2, 3], [900, 901])
+        clock.now += 1
+        a = t.assign("s", system + [7, 8, 9], reuse=reuse)
+        assert a is not None and a.cached_tokens == cached and (a.copy_from is None) == (not reuse)
+        assert a.slot.tokens == system[:cached]

@@ -280,7 +280,7 @@ class SessionTable:
             return None
         slot, evicted = got
         session.last_used = now
-        if conflict or not self.copy_prefixes:
+        if conflict or not self.copy_prefixes or not reuse:  # reuse: the request's cache_prompt
             return self._take(slot, 0, now, conflict or evicted)
         # It starts from the longest prefix it shares with one of them (re-sending turn 1 after turn 2, an edited
         # earlier message, a compaction request replaying the conversation): copied from that slot, or, when that
