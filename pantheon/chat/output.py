@@ -144,11 +144,11 @@ class ChoiceOutput:
         self._tools = tool_parser
         self._max_calls = max_calls  # `parallel_tool_calls: false` -> 1: calls past the first are dropped
         self._want_logprobs = want_logprobs
-        # Logprob entries not sent yet, each with where its token's text begins and ends in the stop filter's
-        # input: an entry goes out once its whole text has passed the filter, and a token with any character of
-        # a matched stop string never goes out, also one where the stop string begins inside it (llama-server
-        # trims the stop string's tokens too), so streamed and whole answers carry the same entries.
-        self._pending_logprobs: list[tuple[int, int, dict[str, Any]]] = []
+        # Logprob entries not sent yet, each with where its token's text ends in the stop filter's input: an
+        # entry goes out once its whole text has passed the filter, and a token with any character of a matched
+        # stop string never goes out, also one where the stop string begins inside it (llama-server trims the
+        # stop string's tokens too), so streamed and whole answers carry the same entries.
+        self._pending_logprobs: list[tuple[int, dict[str, Any]]] = []
         self.content = ""
         self.reasoning = ""
         self.logprobs: list[dict[str, Any]] = []
@@ -216,11 +216,10 @@ class ChoiceOutput:
         self.reasoning += delta.reasoning
         cut_at = self._stop.cut_at
         if cut_at is not None:  # the stop string's tokens: never sent, not in the choice's logprobs
-            self._pending_logprobs = [pending for pending in self._pending_logprobs if pending[1] <= cut_at]
+            self._pending_logprobs = [(end, e) for end, e in self._pending_logprobs if end <= cut_at]
         if final or delta.content or delta.reasoning or delta.tool_calls:
             released = self._stop.released
-            ready = [entry for *_, entry in itertools.takewhile(lambda p: final or p[1] <= released,
-                                                                self._pending_logprobs)]
+            ready = [e for _, e in itertools.takewhile(lambda p: final or p[0] <= released, self._pending_logprobs)]
             if ready:
                 delta.logprobs = ready
                 self.logprobs += ready
@@ -231,11 +230,10 @@ class ChoiceOutput:
         if self.stopped:
             return Delta()
         self.completion_tokens += 1
-        start = self._stop.consumed
         delta = Delta()
         self._think.push(self._stop.push(self._decoder.push(sampled.token_id)), delta)
         if self._want_logprobs:
-            self._pending_logprobs.append((start, self._stop.consumed, self._logprob_entry(sampled)))
+            self._pending_logprobs.append((self._stop.consumed, self._logprob_entry(sampled)))
         self._route_tools(delta, final=False)
         return self._emit(delta)
 
